@@ -1,0 +1,520 @@
+"""Checks of stages.algorithms against the worked numbers of reference/algorithms.md and hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from stages import algorithms as algo
+
+
+def close(actual, expected, atol=1e-5):
+    """Assert a tensor equals expected numbers (given as a list, float or tensor) to ``atol``."""
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=0)
+
+
+def ragged_mask(lengths, total_len, left_pad=None):
+    """[B, T] action mask with ``lengths`` ones per row, starting at ``left_pad`` (default 0)."""
+    left_pad = left_pad or [0] * len(lengths)
+    mask = torch.zeros(len(lengths), total_len, dtype=torch.bool)
+    for row, (start, length) in enumerate(zip(left_pad, lengths)):
+        mask[row, start : start + length] = True
+    return mask
+
+
+def perturb_masked(x, mask, scale=100.0, seed=1):
+    """Copy of ``x`` with large random values written at positions where ``mask`` is not set."""
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)) * scale
+    return torch.where(mask.bool(), x, noise)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KL
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "d, expected",
+    [(0.1, {"k1": 0.1, "k2": 0.005, "k3": 0.0048374}), (-0.1, {"k1": -0.1, "k2": 0.005, "k3": 0.0051709})],
+)
+def test_kl_estimators_worked_numbers(d, expected):
+    logp, ref_logp = torch.tensor([-1.0 + d]), torch.tensor([-1.0])
+    for estimator, value in expected.items():
+        close(algo.compute_kl(logp, ref_logp, estimator), [value], atol=1e-6)
+
+
+def test_kl_is_clamped_and_gradient_finite():
+    logp = torch.tensor([50.0, -50.0, -200.0, 0.0], requires_grad=True)
+    ref_logp = torch.zeros(4)
+    close(algo.compute_kl(logp, ref_logp, "k1"), [10.0, -10.0, -10.0, 0.0])
+    close(algo.compute_kl(logp, ref_logp, "k2"), [10.0, 10.0, 10.0, 0.0])
+    k3 = algo.compute_kl(logp, ref_logp, "k3")
+    close(k3, [10.0, 10.0, 10.0, 0.0])
+    k3.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+
+
+def test_kl_computed_in_fp32_and_rejects_unknown_estimator():
+    logp = torch.tensor([-1.0], dtype=torch.bfloat16)
+    assert algo.compute_kl(logp, logp, "k3").dtype == torch.float32
+    with pytest.raises(ValueError, match="kl_estimator"):
+        algo.compute_kl(logp, logp, "k4")
+
+
+def test_kl_penalized_rewards_puts_scalar_on_last_action_token():
+    kl = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 0.4, 0.4, 0.4], [1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]])
+    rewards = algo.kl_penalized_rewards(torch.tensor([2.0, -1.0, 5.0]), kl, mask, beta=0.5)
+    # A row without action tokens has nowhere to put its reward and stays all zero.
+    close(rewards, [[-0.05, -0.1, 1.85, 0.0], [0.0, -0.2, -0.2, -1.2], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_kl_penalized_rewards_ignores_masked_positions():
+    torch.manual_seed(0)
+    mask = ragged_mask([3, 6, 1], 6, left_pad=[2, 0, 4])
+    kl, scalar = torch.randn(3, 6), torch.randn(3)
+    expected = algo.kl_penalized_rewards(scalar, kl, mask, beta=0.1)
+    torch.testing.assert_close(algo.kl_penalized_rewards(scalar, perturb_masked(kl, mask), mask, 0.1), expected)
+    assert (expected[~mask] == 0).all()
+
+
+def test_fixed_kl_controller_never_changes():
+    controller = algo.FixedKLController(0.05)
+    controller.update(current_kl=100.0, n_steps=1000)
+    assert controller.value == 0.05
+
+
+def test_adaptive_kl_controller_update_numbers():
+    controller = algo.AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
+    # KL 9 over target 6: error 0.5 clipped to 0.2; beta *= 1 + 0.2 * 256 / 10000 = 1.00512.
+    controller.update(current_kl=9.0, n_steps=256)
+    assert controller.value == pytest.approx(0.100512, abs=1e-12)
+    # KL 5.7: error -0.05 (inside the clip); beta *= 1 - 0.05 * 100 / 10000 = 0.9995.
+    controller.update(current_kl=5.7, n_steps=100)
+    assert controller.value == pytest.approx(0.100512 * 0.9995, abs=1e-12)
+    # Far below target: error clipped at -0.2.
+    controller.update(current_kl=0.0, n_steps=500)
+    assert controller.value == pytest.approx(0.100512 * 0.9995 * 0.99, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_group_estimators_worked_numbers():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    close(algo.group_advantages(rewards, 4, "group_norm"), [0.8660, -0.8660, -0.8660, 0.8660], atol=1e-4)
+    close(algo.group_advantages(rewards, 4, "group_norm", std_norm=False), [0.5, -0.5, -0.5, 0.5])
+    close(algo.group_advantages(rewards, 4, "rloo"), [0.6667, -0.6667, -0.6667, 0.6667], atol=1e-4)
+    close(algo.group_advantages(rewards, 4, "dr_grpo"), [0.5, -0.5, -0.5, 0.5])
+    close(algo.group_advantages(rewards, 4, "reinforce_baseline"), [0.5, -0.5, -0.5, 0.5])
+
+
+def test_group_estimators_use_contiguous_groups_and_survive_equal_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 5.0, 6.0, 3.0, 3.0, 3.0, 3.0])
+    # Second group: mean 5.25, unbiased std 0.5; third group: all equal, so 0 rather than nan.
+    close(
+        algo.group_advantages(rewards, 4, "group_norm"),
+        [0.8660, -0.8660, -0.8660, 0.8660, -0.5, -0.5, -0.5, 1.5, 0, 0, 0, 0],
+        atol=1e-4,
+    )
+    # Pairs (1, 0), (0, 1), (5, 5), (5, 6): n = 2 makes rloo R_i - R_other.
+    close(algo.group_advantages(rewards[:8], 2, "rloo"), [1, -1, -1, 1, 0, 0, -1, 1])
+
+
+def test_group_estimators_reject_bad_group_sizes():
+    with pytest.raises(ValueError, match="n_samples_per_prompt"):
+        algo.group_advantages(torch.zeros(6), 4, "group_norm")
+    with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
+        algo.group_advantages(torch.zeros(4), 1, "rloo")
+
+
+@pytest.mark.parametrize("lambd, advantages, returns", [(0.95, [0.46575, 0.385, 0.3], [0.96575, 0.985, 1.0]),
+                                                         (1.0, [0.5, 0.4, 0.3], [1.0, 1.0, 1.0])])
+def test_gae_worked_numbers(lambd, advantages, returns):
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = algo.gae_advantages_and_returns(rewards, values, torch.ones(1, 3), gamma=1.0, lambd=lambd)
+    close(adv, [advantages])
+    close(ret, [returns])
+
+
+def test_gae_passes_over_padding_on_either_side_and_in_between():
+    # The worked example embedded with padding left, right and inside; action positions must match it exactly.
+    rewards = torch.tensor([[7.0, 0.0, 7.0, 0.0, 7.0, 1.0, 7.0]])
+    values = torch.tensor([[9.0, 0.5, 9.0, 0.6, 9.0, 0.7, 9.0]])
+    mask = torch.tensor([[0, 1, 0, 1, 0, 1, 0]])
+    adv, ret = algo.gae_advantages_and_returns(rewards, values, mask, gamma=1.0, lambd=0.95)
+    close(adv, [[0, 0.46575, 0, 0.385, 0, 0.3, 0]])
+    close(ret, [[0, 0.96575, 0, 0.985, 0, 1.0, 0]])
+
+
+def test_discounted_returns_with_gamma():
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 5.0]])
+    close(algo.discounted_returns(rewards, torch.tensor([[1, 1, 1, 0]]), gamma=0.5), [[1.5, 1.0, 2.0, 0.0]])
+
+
+def test_normalize_advantages_population_variance_and_mean_only():
+    advantages = torch.tensor([[1.0, 1.0, 50.0], [0.0, 0.0, -50.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    # Mean 0.5, population variance 0.25 (the unbiased one, 1/3, would give +-0.866).
+    close(algo.normalize_advantages(advantages, mask), [[1, 1, 0], [-1, -1, 0]])
+    close(algo.normalize_advantages(advantages, mask, std_norm=False), [[0.5, 0.5, 0], [-0.5, -0.5, 0]])
+
+
+def test_normalize_advantages_floors_variance():
+    # All equal: variance 0 is floored at 1e-8, so the centred zeros stay zeros instead of nan.
+    close(algo.normalize_advantages(torch.full((2, 3), 4.0), torch.ones(2, 3)), torch.zeros(2, 3))
+
+
+def test_compute_advantages_reinforce_normalises_over_batch_and_keeps_raw_returns():
+    mask = torch.ones(2, 2)
+    adv, ret = algo.compute_advantages("reinforce", torch.tensor([1.0, 0.0]), mask, n_samples_per_prompt=1)
+    close(ret, [[1, 1], [0, 0]])
+    close(adv, [[1, 1], [-1, -1]])
+
+
+def test_compute_advantages_reinforce_with_kl_in_reward():
+    mask = torch.tensor([[1, 1, 1]])
+    kl = torch.tensor([[0.2, 0.4, 0.6]])
+    _, ret = algo.compute_advantages("reinforce", torch.tensor([1.0]), mask, n_samples_per_prompt=1, kl=kl,
+                                     beta=0.5, gamma=1.0)
+    # Token rewards [-0.1, -0.2, -0.3 + 1]; returns are their suffix sums.
+    close(ret, [[0.4, 0.5, 0.7]])
+
+
+def test_compute_advantages_group_norm_broadcasts_to_action_tokens():
+    mask = ragged_mask([3, 1, 4, 2], 4)
+    adv, ret = algo.compute_advantages("group_norm", torch.tensor([1.0, 0.0, 0.0, 1.0]), mask,
+                                       n_samples_per_prompt=4, gamma=0.5)
+    a = 0.8660254
+    expected = [[a, a, a, 0], [-a, 0, 0, 0], [-a, -a, -a, -a], [a, a, 0, 0]]
+    close(adv, expected)  # gamma is 1 for group estimators, and no batch normalisation
+    close(ret, expected)
+
+
+def test_compute_advantages_rloo_and_dr_grpo_not_batch_normalised():
+    mask = ragged_mask([2, 2, 2, 2], 2)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    adv, _ = algo.compute_advantages("rloo", rewards, mask, n_samples_per_prompt=4)
+    close(adv[:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    adv, _ = algo.compute_advantages("dr_grpo", rewards, mask, n_samples_per_prompt=4)
+    close(adv[:, 0], [0.5, -0.5, -0.5, 0.5])
+
+
+def test_compute_advantages_reinforce_baseline_subtracts_group_mean_then_normalises():
+    mask = ragged_mask([1, 1, 1, 1], 1)
+    rewards = torch.tensor([3.0, 1.0, 10.0, 10.0])
+    adv, ret = algo.compute_advantages("reinforce_baseline", rewards, mask, n_samples_per_prompt=2)
+    close(ret[:, 0], [1.0, -1.0, 0.0, 0.0])
+    # Batch mean 0, population std sqrt(0.5).
+    close(adv[:, 0], [math.sqrt(2), -math.sqrt(2), 0.0, 0.0])
+
+
+def test_compute_advantages_gae_matches_worked_example_before_normalisation():
+    mask = torch.ones(1, 3)
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = algo.compute_advantages("gae", torch.tensor([1.0]), mask, n_samples_per_prompt=1, values=values,
+                                       lambd=0.95, std_norm=False)
+    close(ret, [[0.96575, 0.985, 1.0]])
+    mean = (0.46575 + 0.385 + 0.3) / 3
+    close(adv, [[0.46575 - mean, 0.385 - mean, 0.3 - mean]])
+
+
+def test_compute_advantages_rejects_missing_inputs():
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="critic"):
+        algo.compute_advantages("gae", torch.ones(2), mask, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        algo.compute_advantages("ppo", torch.ones(2), mask, n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="kl"):
+        algo.compute_advantages("reinforce", torch.ones(2), mask, n_samples_per_prompt=1, beta=0.1)
+
+
+@pytest.mark.parametrize("estimator", algo.ADVANTAGE_ESTIMATORS)
+def test_compute_advantages_masked_positions_never_matter(estimator):
+    torch.manual_seed(0)
+    mask = ragged_mask([5, 2, 7, 1, 3, 6, 4, 7], 7, left_pad=[0, 3, 0, 6, 2, 1, 0, 0])
+    scalar, kl, values = torch.randn(8), torch.randn(8, 7) * 0.1, torch.randn(8, 7)
+    kwargs = dict(n_samples_per_prompt=4, beta=0.05, gamma=1.0, lambd=0.9)
+    adv, ret = algo.compute_advantages(estimator, scalar, mask, kl=kl, values=values, **kwargs)
+    adv2, ret2 = algo.compute_advantages(estimator, scalar, mask, kl=perturb_masked(kl, mask),
+                                         values=perturb_masked(values, mask, seed=2), **kwargs)
+    torch.testing.assert_close(adv2, adv)
+    torch.testing.assert_close(ret2, ret)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    assert adv[mask].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Policy and value losses, aggregation
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "old_logp, logp, advantage, dual_clip, expected_loss, expected_clipped",
+    [
+        (-0.5, 0.0, 1.0, None, -1.2, 1.0),
+        (-0.5, 0.0, -1.0, None, 1.6487, 0.0),
+        (-0.5, 0.0, -1.0, 3.0, 1.6487, 0.0),
+        (-2.0, 0.0, -1.0, 3.0, 3.0, 0.0),
+        (0.0, -0.5, 1.0, None, -0.6065, 0.0),
+        (0.0, -0.5, -1.0, None, 0.8, 1.0),
+        # Dual clip leaves positive advantages alone; a ratio inside the clip range is not "clipped".
+        (-0.5, 0.0, 1.0, 3.0, -1.2, 1.0),
+        (-0.1, 0.0, 1.0, None, -1.10517, 0.0),
+    ],
+)
+def test_policy_loss_worked_rows(old_logp, logp, advantage, dual_clip, expected_loss, expected_clipped):
+    loss_t, clip_mask = algo.policy_loss(torch.tensor([logp]), torch.tensor([old_logp]), torch.tensor([advantage]),
+                                         eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=dual_clip)
+    close(loss_t, [expected_loss], atol=1e-4)
+    close(clip_mask, [expected_clipped])
+
+
+def test_policy_loss_without_dual_clip_is_unbounded_for_negative_advantage():
+    loss_t, _ = algo.policy_loss(torch.tensor([0.0]), torch.tensor([-2.0]), torch.tensor([-1.0]))
+    close(loss_t, [math.exp(2.0)], atol=1e-4)
+
+
+def test_policy_loss_asymmetric_clip():
+    logp, old_logp = torch.tensor([0.0, 0.0, -0.5]), torch.tensor([-0.5, -0.5, 0.0])
+    advantages = torch.tensor([1.0, -1.0, -1.0])
+    loss_t, _ = algo.policy_loss(logp, old_logp, advantages, eps_clip_low=0.2, eps_clip_high=0.28)
+    close(loss_t, [-1.28, 1.6487, 0.8], atol=1e-4)
+    loss_t, _ = algo.policy_loss(logp, old_logp, advantages, eps_clip_low=0.5, eps_clip_high=0.28)
+    close(loss_t[2:], [math.exp(-0.5)], atol=1e-4)
+
+
+def test_policy_loss_clamps_log_ratio():
+    loss_t, _ = algo.policy_loss(torch.tensor([0.0, 0.0]), torch.tensor([-100.0, -100.0]), torch.tensor([1.0, -1.0]))
+    assert torch.isfinite(loss_t).all()
+    close(loss_t, [-1.2, math.exp(20.0)], atol=1.0)
+
+
+def test_policy_loss_rejects_dual_clip_not_above_one():
+    with pytest.raises(ValueError, match="dual_clip"):
+        algo.policy_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), dual_clip=1.0)
+
+
+def test_policy_and_value_loss_aggregates_ignore_masked_positions():
+    torch.manual_seed(0)
+    mask = ragged_mask([4, 1, 6, 3], 6, left_pad=[2, 0, 0, 1])
+    logp, old_logp, adv = torch.randn(4, 6) * 0.3, torch.randn(4, 6) * 0.3, torch.randn(4, 6)
+    values, old_values, returns = torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 6)
+
+    def aggregates(logp, old_logp, adv, values, old_values, returns):
+        loss_t, clip_mask = algo.policy_loss(logp, old_logp, adv, dual_clip=3.0)
+        return (algo.aggregate_token_loss(loss_t, mask), algo.masked_mean(clip_mask, mask),
+                algo.aggregate_token_loss(algo.value_loss(values, old_values, returns), mask))
+
+    expected = aggregates(logp, old_logp, adv, values, old_values, returns)
+    perturbed = aggregates(*(perturb_masked(x, mask, seed=i) for i, x in
+                             enumerate([logp, old_logp, adv, values, old_values, returns])))
+    for got, want in zip(perturbed, expected):
+        torch.testing.assert_close(got, want)
+    # Even inf/nan in padding must not leak into the aggregate.
+    poisoned = torch.where(mask, torch.ones(4, 6), torch.tensor(float("nan")))
+    close(algo.aggregate_token_loss(poisoned, mask), 1.0)
+
+
+def test_value_loss_clip_numbers():
+    values, old_values = torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])
+    returns = torch.tensor([0.0, 2.0])
+    # Clipped V = 0.5: row 1 max(0.25, 1) / 2; row 2 max(2.25, 1) / 2.
+    close(algo.value_loss(values, old_values, returns, value_clip=0.5), [0.5, 1.125])
+    close(algo.value_loss(values, old_values, returns, value_clip=None), [0.5, 0.5])
+
+
+def test_masked_mean_per_row_and_empty_row():
+    x = torch.tensor([[1.0, 3.0, 100.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    close(algo.masked_mean(x, mask, dim=-1), [2.0, 0.0])
+    close(algo.masked_sum(x, mask, dim=-1), [4.0, 0.0])
+    close(algo.masked_mean(x, mask), 2.0)
+
+
+def _micro_batch_setup():
+    """A tiny 'policy' whose per-token log-probs depend on weights, plus ragged PPO inputs for 8 samples."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [1, 2, 3, 5, 8, 13, 2, 7]
+    mask = ragged_mask(lengths, 13)
+    features = torch.randn(8, 13, 4, generator=generator)
+    old_logp = -torch.rand(8, 13, generator=generator)
+    advantages = torch.randn(8, 13, generator=generator)
+    weights = torch.randn(4, generator=generator) * 0.1
+    return mask, features, old_logp, advantages, weights
+
+
+def _accumulated_gradient(split_size, per_micro_batch_mean):
+    mask, features, old_logp, advantages, initial_weights = _micro_batch_setup()
+    weights = initial_weights.clone().requires_grad_(True)
+    total_tokens = mask.sum()
+    num_micro_batches = 8 // split_size
+    for start in range(0, 8, split_size):
+        rows = slice(start, start + split_size)
+        logp = -torch.nn.functional.softplus(features[rows] @ weights)
+        loss_t, _ = algo.policy_loss(logp, old_logp[rows], advantages[rows])
+        if per_micro_batch_mean:
+            loss = algo.aggregate_token_loss(loss_t, mask[rows]) / num_micro_batches
+        else:
+            loss = algo.aggregate_token_loss(loss_t, mask[rows], num_tokens=total_tokens)
+        loss.backward()
+    return weights.grad
+
+
+def test_global_token_mean_gradient_independent_of_micro_batch_split():
+    one_by_eight = _accumulated_gradient(split_size=8, per_micro_batch_mean=False)
+    eight_by_one = _accumulated_gradient(split_size=1, per_micro_batch_mean=False)
+    torch.testing.assert_close(eight_by_one, one_by_eight, rtol=1e-5, atol=1e-7)
+    # A mean per micro-batch weighs short sequences' tokens more once the step is split: the gradients differ.
+    naive_eight_by_one = _accumulated_gradient(split_size=1, per_micro_batch_mean=True)
+    assert not torch.allclose(naive_eight_by_one, one_by_eight, rtol=1e-3, atol=1e-5)
+
+
+def test_aggregate_token_loss_divides_by_step_token_count():
+    loss_t = torch.tensor([[1.0, 2.0, 3.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    close(algo.aggregate_token_loss(loss_t, mask), 1.5)
+    close(algo.aggregate_token_loss(loss_t, mask, num_tokens=6), 0.5)
+    close(algo.aggregate_token_loss(loss_t, mask, num_tokens=torch.tensor(10)), 0.3)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Log-probs and entropy
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_token_log_probs_matches_log_softmax_and_is_fp32():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (3, 5))
+    expected = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    got = algo.token_log_probs(logits, labels)
+    assert got.dtype == torch.float32 and got.shape == (3, 5)
+    close(got, expected.float())
+    bf16 = algo.token_log_probs(logits.to(torch.bfloat16), labels)
+    assert bf16.dtype == torch.float32
+    close(bf16, expected.float(), atol=0.1)
+
+
+def test_token_log_probs_gradient_flows():
+    logits = torch.zeros(1, 1, 4, requires_grad=True)
+    algo.token_log_probs(logits, torch.tensor([[2]])).sum().backward()
+    # d log softmax_2 / d logits = onehot(2) - softmax = [-0.25, -0.25, 0.75, -0.25].
+    close(logits.grad, [[[-0.25, -0.25, 0.75, -0.25]]])
+
+
+def test_entropy_from_logits():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0], [math.log(3.0), 0.0, -1e9, -1e9]]])
+    # Uniform over 4: log 4; near one-hot: ~0; (0.75, 0.25): -(0.75 ln 0.75 + 0.25 ln 0.25).
+    expected = [[math.log(4.0), 0.0, -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]]
+    entropy = algo.entropy_from_logits(logits)
+    assert entropy.dtype == torch.float32
+    close(entropy, expected)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reward model, DPO family, KTO
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_pairwise_rm_loss_values():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0])
+    # (ln(1 + e^-1) + ln(1 + e^1)) / 2
+    close(algo.pairwise_rm_loss(chosen, rejected), 0.81326169)
+    # margin 0.5: (ln(1 + e^-0.5) + ln(1 + e^1.5)) / 2
+    close(algo.pairwise_rm_loss(chosen, rejected, margin=torch.tensor([0.5, 0.5])), 1.08774513)
+    close(algo.pairwise_rm_loss(chosen, rejected, kind="logexp"), 0.81326169)
+    with pytest.raises(ValueError, match="margin"):
+        algo.pairwise_rm_loss(chosen, rejected, margin=torch.zeros(2), kind="logexp")
+    with pytest.raises(ValueError, match="sigmoid"):
+        algo.pairwise_rm_loss(chosen, rejected, kind="hinge")
+
+
+def test_pairwise_accuracy_counts_ties_as_wrong():
+    close(algo.pairwise_accuracy(torch.tensor([2.0, 0.0, 1.0, 3.0]), torch.tensor([1.0, 1.0, 1.0, -3.0])), 0.5)
+
+
+PREFERENCE_LOGPS = dict(policy_chosen=torch.tensor([-1.0]), policy_rejected=torch.tensor([-2.0]),
+                        ref_chosen=torch.tensor([-1.5]), ref_rejected=torch.tensor([-1.5]))  # z = 1
+
+
+def test_dpo_loss_and_implicit_rewards():
+    loss, chosen_reward, rejected_reward = algo.preference_loss(**PREFERENCE_LOGPS, beta=0.1)
+    close(loss, 0.64439666)  # ln(1 + e^-0.1)
+    close(chosen_reward, [0.05])
+    close(rejected_reward, [-0.05])
+
+
+def test_conservative_dpo_loss():
+    loss, _, _ = algo.preference_loss(**PREFERENCE_LOGPS, beta=0.1, label_smoothing=0.1)
+    close(loss, 0.9 * 0.64439666 + 0.1 * 0.74439666)  # 0.1 * ln(1 + e^0.1) for the flipped label
+    with pytest.raises(ValueError, match="label_smoothing"):
+        algo.preference_loss(**PREFERENCE_LOGPS, beta=0.1, label_smoothing=0.7)
+
+
+def test_ipo_loss():
+    loss, _, _ = algo.preference_loss(**PREFERENCE_LOGPS, beta=0.1, ipo=True)
+    close(loss, 16.0)  # (1 - 1 / 0.2)^2
+
+
+def test_preference_loss_is_mean_over_batch_and_rewards_detached():
+    policy_chosen = torch.tensor([-1.0, -3.0], requires_grad=True)
+    loss, chosen_reward, _ = algo.preference_loss(policy_chosen, torch.tensor([-2.0, -3.0]),
+                                                  torch.tensor([-1.5, -3.0]), torch.tensor([-1.5, -3.0]), beta=0.1)
+    close(loss, (0.64439666 + math.log(2.0)) / 2)  # second pair: z = 0
+    assert not chosen_reward.requires_grad
+    loss.backward()
+    assert policy_chosen.grad[0] < 0  # raising the chosen log-prob lowers the loss
+
+
+def test_kto_loss_values():
+    policy, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.5])
+    desirable = torch.tensor([True, False])
+    kl_estimate = algo.kto_kl_estimate(torch.tensor([-3.0, -3.0]), torch.tensor([-3.4, -3.2]))
+    close(kl_estimate, 0.3)
+    loss, chosen_rewards, rejected_rewards, z0 = algo.kto_loss(policy, ref, desirable, kl_estimate, beta=0.1,
+                                                               desirable_weight=1.0, undesirable_weight=1.33)
+    # desirable: 1 - sigmoid(0.1 * (0.5 - 0.3)); undesirable: 1.33 * (1 - sigmoid(0.1 * (0.3 + 0.5)))
+    desirable_loss = 1 - 1 / (1 + math.exp(-0.02))
+    undesirable_loss = 1.33 * (1 - 1 / (1 + math.exp(-0.08)))
+    close(loss, (desirable_loss + undesirable_loss) / 2)
+    close(z0, 0.3)
+    close(chosen_rewards, [0.05])
+    close(rejected_rewards, [-0.05])
+
+
+def test_kto_reference_point_clamped_at_zero():
+    policy, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    loss, _, _, z0 = algo.kto_loss(policy, ref, torch.tensor([True]), kl_estimate=-2.0, beta=0.1)
+    close(z0, 0.0)
+    close(loss, 1 - 1 / (1 + math.exp(-0.05)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Length penalties
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_overlong_penalty():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    lengths = torch.tensor([70, 90, 100, 85])
+    # expected length 80, buffer 20: excess -10 (none), 10, 20, 5
+    close(algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=20, factor=1.0),
+          [1.0, 0.5, 0.0, -0.25])
+    close(algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=20, factor=2.0),
+          [1.0, 0.0, -1.0, -0.5])
+    with pytest.raises(ValueError, match="buffer"):
+        algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=0, factor=1.0)
+
+
+def test_truncation_penalty():
+    rewards = torch.tensor([1.0, 0.8, -0.4])
+    truncated = torch.tensor([True, False, True])
+    close(algo.truncation_penalty(rewards, truncated, 0.5), [0.5, 0.8, -0.2])
+    close(algo.truncation_penalty(rewards, truncated, 0.0), [0.0, 0.8, 0.0])
+    close(algo.truncation_penalty(rewards, truncated, -1.0), [-1.0, 0.8, -1.0])
+    with pytest.raises(ValueError, match="truncation"):
+        algo.truncation_penalty(rewards, truncated, 1.5)
