@@ -1,0 +1,266 @@
+"""Dataset loading, pandera validation messages, prompt formatting and example builders."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import pytest
+import fsspec
+
+from infra.artifacts import storage_options_from_env
+from stages import data
+from stages.data import DataValidationError
+from stages.model_io import load_tokenizer
+from stages.tiny import build_tiny_model
+
+SFT_ROWS = [
+    {"prompt": "What is 1 plus 2?", "response": "Answer: 3"},
+    {"prompt": "Add 4 and 5.", "response": "Answer: 9"},
+    {"prompt": "Sum 2 with 2.", "response": "Answer: 4"},
+]
+
+
+def dataset(rows: list[dict]) -> datasets.Dataset:
+    return datasets.Dataset.from_list(rows)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(str(build_tiny_model(tmp_path_factory.mktemp("tiny_model"))))
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_load_rows_reads_each_file_format(tmp_path, suffix):
+    path = tmp_path / f"sft{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(path, SFT_ROWS)
+    elif suffix == ".json":
+        path.write_text(json.dumps(SFT_ROWS))
+    else:
+        pd.DataFrame(SFT_ROWS).to_parquet(path)
+    assert data.load_rows(str(path)).to_list() == SFT_ROWS
+    assert data.load_rows(f"file://{path}", max_samples=2).to_list() == SFT_ROWS[:2]
+
+
+def test_load_rows_selects_split_of_a_directory(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", SFT_ROWS[:2])
+    write_jsonl(tmp_path / "test.jsonl", SFT_ROWS[2:])
+    assert data.load_rows(str(tmp_path)).to_list() == SFT_ROWS[:2]
+    assert data.load_rows(f"{tmp_path}@test").to_list() == SFT_ROWS[2:]
+    assert data.load_rows(str(tmp_path), split="test").to_list() == SFT_ROWS[2:]
+    with pytest.raises(DataValidationError, match="validation"):
+        data.load_rows(f"{tmp_path}@validation")
+
+
+def test_split_source_parses_suffix():
+    assert data.split_source("org/name@validation[:100]") == ("org/name", "validation[:100]")
+    assert data.split_source("s3://bucket/sft.jsonl") == ("s3://bucket/sft.jsonl", "train")
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("missing.jsonl", None, "no such file"),
+        ("broken.jsonl", '{"prompt": "a", "response": \n', "cannot read"),
+        ("broken.parquet", "not parquet at all", "cannot read"),
+        ("notes.txt", "hello", "unsupported file type"),
+    ],
+)
+def test_unreadable_file_names_it(tmp_path, name, content, expected):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataValidationError, match=expected) as err:
+        data.load_rows(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_load_rows_from_s3(tmp_path, s3_root):
+    fs = fsspec.filesystem("s3", **storage_options_from_env(s3_root))
+    pd.DataFrame(SFT_ROWS).to_parquet(tmp_path / "sft.parquet")
+    fs.put(str(tmp_path / "sft.parquet"), f"{s3_root}/flat/sft.parquet")
+    fs.put(str(write_jsonl(tmp_path / "train.jsonl", SFT_ROWS[:1])), f"{s3_root}/splits/train.jsonl")
+    fs.put(str(write_jsonl(tmp_path / "test.jsonl", SFT_ROWS[1:])), f"{s3_root}/splits/test.jsonl")
+
+    assert data.load_rows(f"{s3_root}/flat/sft.parquet").to_list() == SFT_ROWS
+    # Two reads in a row: datasets mutates storage options, so each read needs its own.
+    assert data.load_rows(f"{s3_root}/splits@test").to_list() == SFT_ROWS[1:]
+    assert data.load_rows(f"{s3_root}/splits").to_list() == SFT_ROWS[:1]
+    with pytest.raises(DataValidationError, match=f"{s3_root}/flat/missing.jsonl"):
+        data.load_rows(f"{s3_root}/flat/missing.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------- validation
+
+
+def validation_error(path: Path, rows: list[dict], kind: str, **keys) -> str:
+    write_jsonl(path, rows)
+    validate = {"sft": data.validate_sft, "preference": data.validate_preference, "prompt": data.validate_prompts}
+    with pytest.raises(DataValidationError) as err:
+        validate[kind](data.load_rows(str(path)), str(path), **keys)
+    message = str(err.value)
+    assert str(path) in message and "0-based row indices in the file" in message
+    return message
+
+
+SFT_KEYS = {"input_key": "prompt", "output_key": "response"}
+PREF_KEYS = {"prompt_key": "prompt", "chosen_key": "chosen", "rejected_key": "rejected"}
+
+
+def test_missing_column_names_column_and_flag(tmp_path):
+    message = validation_error(tmp_path / "sft.jsonl", SFT_ROWS, "sft", input_key="prompt", output_key="answer")
+    assert "column 'answer' (--output_key): column is missing; columns present: prompt, response" in message
+
+
+@pytest.mark.parametrize(
+    ("bad_rows", "check", "rows"),
+    [
+        ({1: {"response": ""}, 2: {"response": "  \n"}}, "column 'response' (--output_key): check not_blank", "[1, 2]"),
+        ({0: {"prompt": 7}}, "column 'prompt' (--input_key): check text_or_messages", "[0]"),
+        ({2: {"prompt": [{"role": "user"}]}}, "column 'prompt' (--input_key): check text_or_messages", "[2]"),
+        ({1: {"response": None}}, "column 'response' (--output_key): check not_nullable", "[1]"),
+    ],
+)
+def test_bad_sft_rows_are_listed(tmp_path, bad_rows, check, rows):
+    bad = [{**row, **bad_rows.get(i, {})} for i, row in enumerate(SFT_ROWS)]
+    message = validation_error(tmp_path / "sft.jsonl", bad, "sft", **SFT_KEYS)
+    assert f"{check} failed" in message and f"at rows {rows}" in message
+
+
+def test_every_failure_is_reported_in_one_error(tmp_path):
+    rows = [
+        {"prompt": "Add 1 and 1.", "chosen": "Answer: 2", "rejected": "Answer: 3"},
+        {"prompt": " ", "chosen": "Answer: 2", "rejected": "Answer: 3"},
+        {"prompt": "Add 1 and 2.", "chosen": "Answer: 3", "rejected": "Answer: 3"},
+        {"prompt": 12, "chosen": "", "rejected": "Answer: 3"},
+    ]
+    message = validation_error(tmp_path / "pref.jsonl", rows, "preference", **PREF_KEYS)
+    assert "failed 4 validation check(s)" in message
+    assert "column 'prompt' (--prompt_key): check not_blank failed (empty or whitespace-only text) at rows [1]" \
+        in message
+    assert "column 'prompt' (--prompt_key): check text_or_messages failed" in message and "values: 12" in message
+    assert "column 'chosen' (--chosen_key): check not_blank failed" in message
+    assert "check chosen_differs_from_rejected failed (chosen response equals rejected response) at rows [2]" in message
+
+
+def test_prompt_labels_are_checked(tmp_path):
+    rows = [{"prompt": "Add 1 and 1.", "label": "2"}, {"prompt": "Add 1 and 2.", "label": " "}]
+    message = validation_error(tmp_path / "prompts.jsonl", rows, "prompt", input_key="prompt", label_key="label")
+    assert "column 'label' (--label_key): check not_blank failed" in message and "at rows [1]" in message
+    message = validation_error(tmp_path / "prompts.jsonl", rows, "prompt", input_key="prompt", label_key="answer")
+    assert "column 'answer' (--label_key): column is missing" in message
+
+
+def test_valid_data_with_custom_keys_and_chat_messages_passes(tmp_path):
+    rows = [
+        {"question": [{"role": "user", "content": "Add 1 and 1."}], "answer": "Answer: 2", "gold": 2},
+        {"question": "Add 2 and 2.", "answer": [{"role": "assistant", "content": "Answer: 4"}], "gold": 4},
+    ]
+    path = write_jsonl(tmp_path / "custom.jsonl", rows)
+    ds = data.load_rows(str(path))
+    data.validate_sft(ds, str(path), input_key="question", output_key="answer")
+    data.validate_prompts(ds, str(path), input_key="question", label_key="gold")
+
+
+# -------------------------------------------------------------------------------------------------- examples
+
+
+def test_format_prompt(tokenizer):
+    assert data.format_prompt(tokenizer, "Add 1 and 1.", apply_chat_template=False) == "Add 1 and 1."
+    templated = data.format_prompt(tokenizer, "Add 1 and 1.", False, input_template="User: {}\nAssistant: ")
+    assert templated == "User: Add 1 and 1.\nAssistant: "
+    assert data.format_prompt(tokenizer, "Add 1 and 1.", True) == "<|user|>Add 1 and 1.<|assistant|>"
+    messages = [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Add"}
+    ]
+    assert data.format_prompt(tokenizer, messages, True) == "<|user|>Hi<|assistant|>Yo<|eos|><|user|>Add<|assistant|>"
+    with pytest.raises(ValueError, match="--apply_chat_template"):
+        data.format_prompt(tokenizer, messages, False)
+
+
+@pytest.mark.parametrize("apply_chat_template", [False, True])
+def test_sft_loss_mask_covers_response_and_eos_only(tokenizer, apply_chat_template):
+    examples = data.build_sft_examples(
+        dataset(SFT_ROWS), tokenizer, input_key="prompt", output_key="response",
+        apply_chat_template=apply_chat_template, max_len=64,
+    )
+    assert len(examples) == len(SFT_ROWS)
+    for row, example in zip(SFT_ROWS, examples):
+        ids, mask = example["input_ids"], example["loss_mask"]
+        prompt = data.format_prompt(tokenizer, row["prompt"], apply_chat_template)
+        n_prompt = len(tokenizer(prompt, add_special_tokens=not apply_chat_template)["input_ids"])
+        assert mask == [0] * n_prompt + [1] * (len(ids) - n_prompt)
+        assert ids[-1] == tokenizer.eos_token_id
+        assert tokenizer.decode(ids[:n_prompt]) == prompt
+        assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == row["response"] + tokenizer.eos_token
+
+
+def test_truncation_keeps_prompt_and_drops_rows_without_room(tokenizer, caplog):
+    rows = [{"prompt": "Hi", "response": "Answer: 123456789"}, {"prompt": "Add 4 and 5 " * 8, "response": "Answer: 9"}]
+    prompt_len = len(tokenizer("Hi")["input_ids"])
+    long_prompt_len = len(tokenizer(rows[1]["prompt"])["input_ids"])
+    max_len = prompt_len + 4
+    assert long_prompt_len >= max_len
+    with caplog.at_level(logging.WARNING, logger="stages.data"):
+        examples = data.build_sft_examples(
+            dataset(rows), tokenizer, input_key="prompt", output_key="response", apply_chat_template=False,
+            max_len=max_len,
+        )
+    assert len(examples) == 1
+    assert examples[0]["input_ids"][:prompt_len] == tokenizer("Hi")["input_ids"]
+    assert examples[0]["loss_mask"] == [0] * prompt_len + [1] * 4
+    assert "dropped 1 of 2 SFT examples" in caplog.text and "rows [1]" in caplog.text
+    with pytest.raises(DataValidationError, match="all 1 SFT examples were dropped"):
+        data.build_sft_examples(dataset(rows[1:]), tokenizer, input_key="prompt", output_key="response",
+                                apply_chat_template=False, max_len=max_len)
+
+
+def test_preference_examples_share_the_prompt(tokenizer):
+    rows = [{"q": "Add 1 and 1.", "good": "Answer: 2", "bad": "Answer: 31"}]
+    (example,) = data.build_preference_examples(
+        dataset(rows), tokenizer, prompt_key="q", chosen_key="good", rejected_key="bad",
+        apply_chat_template=True, max_len=64,
+    )
+    n_prompt = len(tokenizer("<|user|>Add 1 and 1.<|assistant|>", add_special_tokens=False)["input_ids"])
+    for side, text in (("chosen", "Answer: 2"), ("rejected", "Answer: 31")):
+        ids, mask = example[f"{side}_ids"], example[f"{side}_loss_mask"]
+        assert mask[:n_prompt] == [0] * n_prompt and all(mask[n_prompt:])
+        assert tokenizer.decode(ids[n_prompt:]) == text + "<|eos|>"
+    assert example["chosen_ids"][:n_prompt] == example["rejected_ids"][:n_prompt]
+
+
+def test_prompt_examples_carry_text_ids_and_label(tokenizer, caplog):
+    rows = [{"prompt": "Add 1 and 1.", "label": "2"}, {"prompt": "Add 4 and 5. " * 10, "label": "9"}]
+    with caplog.at_level(logging.WARNING, logger="stages.data"):
+        examples = data.build_prompt_examples(
+            dataset(rows), tokenizer, input_key="prompt", label_key="label", apply_chat_template=True,
+            prompt_max_len=16,
+        )
+    assert examples == [{
+        "prompt": "<|user|>Add 1 and 1.<|assistant|>",
+        "prompt_ids": tokenizer("<|user|>Add 1 and 1.<|assistant|>", add_special_tokens=False)["input_ids"],
+        "label": "2",
+    }]
+    assert "dropped 1 of 2 prompt examples" in caplog.text
+    unlabeled = data.build_prompt_examples(dataset(rows[:1]), tokenizer, input_key="prompt", label_key=None,
+                                           apply_chat_template=False, prompt_max_len=16)
+    assert unlabeled[0]["label"] == "" and unlabeled[0]["prompt"] == "Add 1 and 1."
+
+
+def test_pad_batch_pads_either_side():
+    assert data.pad_batch([[1, 2, 3], [4]], 0).tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert data.pad_batch([[1, 2, 3], [4]], 9, side="left").tolist() == [[1, 2, 3], [9, 9, 4]]
+    with pytest.raises(ValueError, match="padding side"):
+        data.pad_batch([[1]], 0, side="middle")

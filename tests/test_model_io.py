@@ -1,0 +1,105 @@
+"""Model resolution (local, file://, s3:// with a download cache), loading and HF-format saving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from infra.artifacts import storage_options_from_env
+from stages import model_io
+from stages.tiny import build_tiny_model
+
+TOKENS = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def model_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "model-cache"
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(cache))
+    return cache
+
+
+def test_resolve_model_path_passes_names_and_local_dirs_through(tiny_model_dir):
+    assert model_io.resolve_model_path("meta-llama/Meta-Llama-3-8B") == "meta-llama/Meta-Llama-3-8B"
+    assert model_io.resolve_model_path(str(tiny_model_dir)) == str(tiny_model_dir)
+    assert model_io.resolve_model_path(f"file://{tiny_model_dir}") == str(tiny_model_dir)
+
+
+def test_resolve_model_path_downloads_s3_once_per_content(tiny_model_dir, s3_root, model_cache):
+    fs = fsspec.filesystem("s3", **storage_options_from_env(s3_root))
+    fs.put(f"{tiny_model_dir}/", f"{s3_root}/model/", recursive=True)
+
+    local = Path(model_io.resolve_model_path(f"{s3_root}/model"))
+    assert local.parent == model_cache
+    assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
+    assert [p.name for p in model_cache.iterdir()] == [local.name]  # no staging dir left behind
+    assert model_io.resolve_model_path(f"{s3_root}/model/") == str(local)  # cached
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    fs.pipe(f"{s3_root}/model/config.json", json.dumps({**config, "note": "changed"}).encode())
+    changed = Path(model_io.resolve_model_path(f"{s3_root}/model"))
+    assert changed != local and json.loads((changed / "config.json").read_text())["note"] == "changed"
+
+    with pytest.raises(FileNotFoundError, match=f"{s3_root}/absent"):
+        model_io.resolve_model_path(f"{s3_root}/absent")
+
+
+def test_load_causal_lm_from_s3_matches_local(tiny_model_dir, s3_root, model_cache):
+    fs = fsspec.filesystem("s3", **storage_options_from_env(s3_root))
+    fs.put(f"{tiny_model_dir}/", f"{s3_root}/model/", recursive=True)
+    remote = model_io.load_causal_lm(f"{s3_root}/model")
+    local = model_io.load_causal_lm(str(tiny_model_dir))
+    torch.testing.assert_close(remote(TOKENS).logits, local(TOKENS).logits)
+    assert model_io.load_tokenizer(f"{s3_root}/model").eos_token == "<|eos|>"
+
+
+def test_load_tokenizer_sets_padding_side_and_falls_back_to_eos(tiny_model_dir, tmp_path):
+    assert model_io.load_tokenizer(str(tiny_model_dir), padding_side="left").padding_side == "left"
+    tokenizer = model_io.load_tokenizer(str(tiny_model_dir))
+    assert tokenizer.padding_side == "right" and tokenizer.pad_token == "<|pad|>"
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "no_pad")
+    assert model_io.load_tokenizer(str(tmp_path / "no_pad")).pad_token == "<|eos|>"
+
+
+def test_save_hf_round_trips_causal_lm_with_extra_config(tiny_model_dir, tmp_path):
+    model = model_io.load_causal_lm(str(tiny_model_dir))
+    tokenizer = model_io.load_tokenizer(str(tiny_model_dir))
+    out = model_io.save_hf(model, tokenizer, tmp_path / "out", extra_config={"stage": "sft"})
+    assert (out / "model.safetensors").exists() and not list(out.glob("*.bin"))
+    assert json.loads((out / "config.json").read_text())["stage"] == "sft"
+    reloaded = model_io.load_causal_lm(str(out))
+    torch.testing.assert_close(reloaded(TOKENS).logits, model(TOKENS).logits)
+    assert model_io.load_tokenizer(str(out)).get_vocab() == tokenizer.get_vocab()
+
+
+def test_value_model_has_scalar_head_and_keeps_reward_stats(tiny_model_dir, tmp_path):
+    value_model = model_io.load_value_model(str(tiny_model_dir))
+    tokenizer = model_io.load_tokenizer(str(tiny_model_dir))
+    assert value_model.config.num_labels == 1 and value_model.config.pad_token_id == tokenizer.pad_token_id
+    scores = value_model(TOKENS, attention_mask=(TOKENS != 0).long()).logits
+    assert scores.shape == (2, 1)
+
+    out = model_io.save_hf(value_model, tokenizer, tmp_path / "rm", extra_config={"mean": 0.5, "std": 2.0})
+    reloaded = model_io.load_value_model(str(out))
+    assert (reloaded.config.mean, reloaded.config.std) == (0.5, 2.0)
+    torch.testing.assert_close(reloaded(TOKENS, attention_mask=(TOKENS != 0).long()).logits, scores)
+
+
+def test_value_model_gets_pad_token_id_from_tokenizer(tiny_model_dir, tmp_path):
+    unpadded = tmp_path / "unpadded"
+    shutil.copytree(tiny_model_dir, unpadded)
+    config = json.loads((unpadded / "config.json").read_text())
+    (unpadded / "config.json").write_text(json.dumps({**config, "pad_token_id": None}))
+    value_model = model_io.load_value_model(str(unpadded))
+    assert value_model.config.pad_token_id == model_io.load_tokenizer(str(unpadded)).pad_token_id
