@@ -1,0 +1,843 @@
+"""Pydantic configs for every stage and the pipeline, and the command line generated from them.
+
+Field names are OpenRLHF's flag names, so its commands run with our module paths:
+
+    python -m stages.rl --config llama3-8b --advantage_estimator group_norm
+    deepspeed --module stages.reward_model --pretrain meta-llama/Meta-Llama-3-8B --dataset ... --zero_stage 3
+
+A stage's values are the `<stage>:` section of a preset (`--config tiny`, `--config llama3-8b` or a YAML path)
+overridden by flags. The merged values are validated; impossible combinations are rejected naming the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import textwrap
+import types
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+Device = Literal["auto", "cpu", "cuda"]
+AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RolloutBackend = Literal["auto", "vllm", "hf"]
+# transformers' schedulers that need nothing beyond warmup and total steps
+LRScheduler = Literal[
+    "cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup", "polynomial", "inverse_sqrt",
+    "cosine_with_restarts",
+]
+
+# Estimators whose baseline comes from the other samples of the same prompt.
+GROUP_ESTIMATORS = ("group_norm", "rloo", "dr_grpo", "reinforce_baseline")
+# Where outputs go and which rank reads the config do not change what a stage computes.
+UNHASHED_FIELDS = frozenset({"local_rank", "save_path", "ckpt_path"})
+
+
+class ConfigError(ValueError):
+    """A preset or config that cannot be loaded or validated; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- fields repeated with stage-specific defaults
+
+def _learning_rate(default: float) -> Any:
+    return Field(default, gt=0, description="peak learning rate of the AdamW optimizer")
+
+
+def _ckpt_path(default: str) -> Any:
+    return Field(default, description="directory for resumable checkpoints; a restarted stage resumes from the newest")
+
+
+def _micro_train_batch_size(default: int) -> Any:
+    return Field(default, ge=1, description="samples per forward/backward pass on one rank")
+
+
+def _max_epochs(default: int) -> Any:
+    return Field(default, ge=1, description="passes over the training data (RL: over each rollout batch)")
+
+
+def _max_len(default: int | None) -> Any:
+    return Field(default, ge=1, description="maximum tokens per sample (prompt + response); longer ones are truncated")
+
+
+def _max_samples(default: int) -> Any:
+    return Field(default, ge=1, description="use at most this many rows of each dataset")
+
+
+def _eval_split(default: str) -> Any:
+    return Field(default, description="split of --eval_dataset to read (a single file is the split itself)")
+
+
+# ---------------------------------------------------------------- shared field groups
+
+class StageConfig(_Strict):
+    """Fields every stage has, and the hook that rejects impossible combinations."""
+
+    # Groups of fields a run cannot do without; in a group any one is enough. Checked by parse_stage_args.
+    required_inputs: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
+    device: Device = Field("auto", description="where ranks run: cuda, cpu, or auto (cuda when the cluster has GPUs)")
+    seed: int = Field(42, description="random seed for initialisation, data order and sampling")
+    local_rank: int = Field(-1, description="rank on this node, passed by the deepspeed launcher (--local_rank=N)")
+    save_path: str = Field(
+        "./ckpt", description="output directory: HF model (safetensors + tokenizer) or report, and metrics.json",
+    )
+    bf16: bool = Field(False, description="compute in bfloat16 (otherwise fp32)")
+    flash_attn: bool = Field(False, description="use FlashAttention-2 kernels (CUDA only)")
+    apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
+    input_template: str | None = Field(
+        None, description="template with {} for the prompt text, used without --apply_chat_template",
+    )
+    max_samples: int = _max_samples(1_000_000)
+
+    @model_validator(mode="after")
+    def _reject_impossible(self) -> StageConfig:
+        self._resolve()
+        problems = self._problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _resolve(self) -> None:
+        """Fill values whose default depends on other fields."""
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if self.flash_attn and self.device == "cpu":
+            problems.append("--flash_attn needs --device cuda or auto (FlashAttention has no CPU kernels)")
+        if self.input_template is not None:
+            if "{}" not in self.input_template:
+                problems.append(f"--input_template {self.input_template!r} has no {{}} for the prompt")
+            if self.apply_chat_template:
+                problems.append("--input_template and --apply_chat_template exclude each other: pick one prompt format")
+        return problems
+
+    def missing_inputs(self) -> list[str]:
+        """The required inputs this config leaves unset, as flags ("--a" or "--a or --b")."""
+        return [
+            " or ".join(f"--{name}" for name in group)
+            for group in self.required_inputs
+            if all(getattr(self, name) is None for name in group)
+        ]
+
+
+class TrainingConfig(StageConfig):
+    """Runtime fields of every training stage: checkpoints, DeepSpeed, optimizer, batches."""
+
+    ckpt_path: str = _ckpt_path("./ckpt/checkpoints")
+    save_steps: int = Field(-1, ge=-1, description="optimizer steps between checkpoints; -1 = only the final output")
+    logging_steps: int = Field(1, ge=1, description="optimizer steps between metric log lines")
+    eval_steps: int = Field(
+        -1, ge=-1, description="optimizer steps between evaluations; -1 = only the final evaluation",
+    )
+    max_ckpt_num: int = Field(3, ge=1, description="checkpoints kept under --ckpt_path; older ones are deleted")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    adam_offload: bool = Field(False, description="keep Adam optimizer states in CPU memory (needs ZeRO >= 1)")
+    packing_samples: bool = Field(False, description="pack several samples into one sequence without padding")
+    lr_warmup_ratio: float = Field(
+        0.03, ge=0, le=1, description="fraction of the optimizer steps spent in linear warmup",
+    )
+    lr_scheduler: LRScheduler = Field("cosine_with_min_lr", description="learning-rate schedule after warmup")
+    l2: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1 and beta2")
+    max_norm: float = Field(1.0, gt=0, description="gradient clipping: maximum global gradient norm")
+    train_batch_size: int = Field(128, ge=1, description="samples per optimizer step, over all data-parallel ranks")
+    micro_train_batch_size: int = _micro_train_batch_size(8)
+    max_epochs: int = _max_epochs(1)
+    max_len: int | None = _max_len(2048)
+    eval_dataset: str | None = Field(
+        None, description="held-out dataset: hub name, local json/jsonl/parquet or s3:// URI",
+    )
+    eval_split: str = _eval_split("test")
+
+    def train_world_sizes(self) -> dict[str, int]:
+        """Data-parallel ranks of each trained model, keyed by the flags that set them."""
+        raise NotImplementedError
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        for name in ("save_steps", "eval_steps"):
+            if getattr(self, name) == 0:
+                problems.append(f"--{name} 0 is not a step count: use -1 (only at the end) or a positive number")
+        if self.adam_offload and self.zero_stage == 0:
+            problems.append("--adam_offload needs --zero_stage 1, 2 or 3 (DeepSpeed offloads ZeRO optimizer states)")
+        if not all(0 <= beta < 1 for beta in self.adam_betas):
+            problems.append(f"--adam_betas {self.adam_betas[0]} {self.adam_betas[1]}: each must be in [0, 1)")
+        for ranks_flags, ranks in self.train_world_sizes().items():
+            per_step = self.micro_train_batch_size * ranks
+            if self.train_batch_size % per_step:
+                problems.append(
+                    f"--train_batch_size {self.train_batch_size} is not a multiple of --micro_train_batch_size "
+                    f"{self.micro_train_batch_size} × {ranks} data-parallel ranks ({ranks_flags})"
+                )
+        return problems
+
+
+class RankLayout(_Strict):
+    """Ranks of a stage that runs one group of identical ranks: num_nodes × num_gpus_per_node."""
+
+    num_nodes: int = Field(1, ge=1, description="nodes to run on")
+    num_gpus_per_node: int = Field(8, ge=1, description="ranks per node (GPUs; CPU processes with --device cpu)")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+
+class OfflineTrainingConfig(RankLayout, TrainingConfig):
+    """Training on a fixed dataset (SFT, reward model, DPO, KTO)."""
+
+    required_inputs = (("pretrain",), ("dataset",))
+
+    dataset: str | None = Field(None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI")
+    dataset_split: str = Field("train", description="split of --dataset to read (a single file is the split itself)")
+
+    def train_world_sizes(self) -> dict[str, int]:
+        return {f"--num_nodes {self.num_nodes} × --num_gpus_per_node {self.num_gpus_per_node}": self.world_size}
+
+
+class SupervisedKeys(_Strict):
+    """Column names of prompt/response rows."""
+
+    input_key: str = Field("input", description="dataset column holding the prompt (text or chat messages)")
+    output_key: str = Field("output", description="dataset column holding the response")
+
+
+class PreferenceKeys(_Strict):
+    """Column names of preference rows."""
+
+    prompt_key: str | None = Field(
+        None, description="dataset column holding the prompt; unset: chosen/rejected hold whole conversations",
+    )
+    chosen_key: str = Field("chosen", description="dataset column holding the preferred response")
+    rejected_key: str = Field("rejected", description="dataset column holding the dispreferred response")
+
+
+class PromptConfig(StageConfig):
+    """Prompt data and reward sources: what the RL and evaluation stages generate from and score with."""
+
+    required_inputs = (("pretrain",), ("prompt_data",), ("reward_pretrain", "remote_rm_url"))
+
+    prompt_data: str | None = Field(None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI")
+    prompt_split: str = Field("train", description="split of --prompt_data to read (a single file is the split itself)")
+    input_key: str = Field("input", description="dataset column holding the prompt (text or chat messages)")
+    label_key: str | None = Field(None, description="dataset column holding the reference answer passed to reward_func")
+    prompt_max_len: int = Field(1024, ge=1, description="maximum prompt tokens; longer prompts are truncated")
+    generate_max_len: int = Field(1024, ge=1, description="maximum new tokens per response")
+    remote_rm_url: str | None = Field(
+        None,
+        description="reward function: HTTP URL, or path to a python file defining "
+        "reward_func(queries, prompts, labels)",
+    )
+    reward_pretrain: str | None = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
+
+
+# ---------------------------------------------------------------- stages
+
+class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
+    """Supervised fine-tuning: `python -m stages.sft`."""
+
+    pretrain: str | None = Field(None, description="model to fine-tune (HF dir, hub name or s3:// URI)")
+    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_sft")
+    learning_rate: float = _learning_rate(5e-6)
+    max_epochs: int = _max_epochs(2)
+
+
+class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
+    """Reward model on preference pairs: `python -m stages.reward_model` (OpenRLHF's train_rm)."""
+
+    pretrain: str | None = Field(None, description="model the reward model starts from, usually the SFT model")
+    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_rm")
+    learning_rate: float = _learning_rate(9e-6)
+    micro_train_batch_size: int = _micro_train_batch_size(1)
+    max_len: int | None = _max_len(512)
+    loss: Literal["sigmoid", "logexp"] = Field(
+        "sigmoid", description="pairwise loss: sigmoid (-log σ(r_c - r_r)) or logexp (log(1 + exp(r_r - r_c)))",
+    )
+    margin_loss: bool = Field(False, description="subtract the dataset's margin column inside the pairwise loss")
+
+
+class DPOConfig(PreferenceKeys, OfflineTrainingConfig):
+    """Direct preference optimisation (and IPO, cDPO): `python -m stages.dpo`."""
+
+    pretrain: str | None = Field(None, description="policy to train, usually the SFT model")
+    ref_pretrain: str | None = Field(None, description="frozen reference model; unset: a copy of --pretrain")
+    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_dpo")
+    learning_rate: float = _learning_rate(1e-5)
+    max_len: int | None = _max_len(512)
+    beta: float = Field(0.1, gt=0, description="strength of the implicit KL constraint to the reference")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="cDPO: assumed probability that a preference label is flipped",
+    )
+    ipo: bool = Field(False, description="use the IPO loss instead of the DPO sigmoid loss")
+    nll_loss_coef: float = Field(0.0, ge=0, description="weight of an NLL loss on the chosen response")
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if self.ipo and self.label_smoothing > 0:
+            problems.append("--label_smoothing applies to the DPO loss only; drop it or --ipo")
+        return problems
+
+
+class KTOConfig(SupervisedKeys, OfflineTrainingConfig):
+    """Kahneman-Tversky optimisation on unpaired desirable/undesirable responses: `python -m stages.kto`."""
+
+    pretrain: str | None = Field(None, description="policy to train, usually the SFT model")
+    ref_pretrain: str | None = Field(None, description="frozen reference model; unset: a copy of --pretrain")
+    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_kto")
+    learning_rate: float = _learning_rate(1e-5)
+    label_key: str = Field("label", description="dataset column saying whether the response is desirable (bool)")
+    beta: float = Field(0.01, gt=0, description="strength of the implicit KL constraint to the reference")
+    desirable_loss_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
+    undesirable_loss_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
+
+
+class RLConfig(TrainingConfig, PromptConfig):
+    """Online RL (PPO, GRPO, RLOO, REINFORCE++ ...) with Ray roles: `python -m stages.rl` (OpenRLHF's train_ppo_ray)."""
+
+    pretrain: str | None = Field(None, description="initial actor (policy)")
+    ref_pretrain: str | None = Field(None, description="frozen reference model for the KL term; unset: --pretrain")
+    critic_pretrain: str | None = Field(
+        None, description="initial critic for gae; unset: --reward_pretrain, or --pretrain with --remote_rm_url",
+    )
+    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_ppo_ray")
+    eval_split: str = _eval_split("train")
+    max_len: int | None = _max_len(None)
+    max_samples: int = _max_samples(100_000_000)
+    micro_train_batch_size: int = _micro_train_batch_size(4)
+
+    actor_num_nodes: int = Field(1, ge=1, description="nodes for the actor")
+    actor_num_gpus_per_node: int = Field(8, ge=1, description="ranks per node for the actor")
+    critic_num_nodes: int = Field(1, ge=1, description="nodes for the critic (gae only)")
+    critic_num_gpus_per_node: int = Field(8, ge=1, description="ranks per node for the critic (gae only)")
+    ref_num_nodes: int = Field(1, ge=1, description="nodes for the reference model")
+    ref_num_gpus_per_node: int = Field(8, ge=1, description="ranks per node for the reference model")
+    reward_num_nodes: int = Field(1, ge=1, description="nodes for the reward model")
+    reward_num_gpus_per_node: int = Field(8, ge=1, description="ranks per node for the reward model")
+    colocate_actor_ref: bool = Field(False, description="actor and reference model share GPUs")
+    colocate_critic_reward: bool = Field(False, description="critic and reward model share GPUs")
+    colocate_all_models: bool = Field(False, description="all models and the vLLM engines share GPUs (hybrid engine)")
+    rollout_backend: RolloutBackend = Field(
+        "auto", description="generation engine: vllm, hf (transformers generate), or auto (vllm when installed)",
+    )
+    vllm_num_engines: int = Field(1, ge=1, description="rollout engines (vLLM, or HF generate with the hf backend)")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (tensor parallelism)")
+    vllm_gpu_memory_utilization: float = Field(
+        0.95, gt=0, le=1, description="fraction of GPU memory a vLLM engine may use",
+    )
+    enforce_eager: bool = Field(False, description="run vLLM without CUDA graphs")
+    vllm_enable_sleep: bool = Field(
+        False, description="vLLM engines release GPU memory while the models train (needs --colocate_all_models)",
+    )
+    deepspeed_enable_sleep: bool = Field(
+        False, description="DeepSpeed models release GPU memory while vLLM generates (needs --colocate_all_models)",
+    )
+    vllm_sync_backend: Literal["nccl", "gloo"] = Field(
+        "nccl", description="collective backend for actor-to-vLLM weight sync (gloo on CPU)",
+    )
+
+    num_episodes: int = Field(1, ge=1, description="passes over the prompt dataset")
+    rollout_batch_size: int = Field(
+        1024, ge=1, description="prompts per rollout (each sampled --n_samples_per_prompt times)",
+    )
+    micro_rollout_batch_size: int = Field(
+        8, ge=1, description="samples per forward pass on one rank when scoring rollouts",
+    )
+    n_samples_per_prompt: int | None = Field(
+        None, ge=1,
+        description="responses sampled per prompt; unset: 8 for group_norm, rloo, dr_grpo, reinforce_baseline, else 1",
+    )
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts (must be > 0)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling probability mass of rollouts")
+    actor_learning_rate: float = Field(1e-6, gt=0, description="peak learning rate of the actor")
+    critic_learning_rate: float = Field(9e-6, gt=0, description="peak learning rate of the critic (gae only)")
+
+    advantage_estimator: AdvantageEstimator = Field(
+        "gae",
+        description="gae (PPO, needs a critic), reinforce (REINFORCE++), reinforce_baseline, rloo, "
+        "group_norm (GRPO), dr_grpo",
+    )
+    no_advantage_std_norm: bool = Field(
+        False, description="normalise advantages by their mean only, without dividing by the std",
+    )
+    normalize_reward: bool = Field(
+        False, description="standardise reward-model scores with the mean/std stored in the reward model",
+    )
+    reward_clip_range: tuple[float, float] = Field((-10.0, 10.0), description="clip scalar rewards to [low, high]")
+    overlong_buffer_len: int | None = Field(
+        None, ge=1, description="DAPO overlong penalty: tokens before --generate_max_len where the penalty starts",
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="DAPO overlong penalty at --generate_max_len")
+    stop_properly_penalty_coef: float | None = Field(
+        None, le=1, description="truncated responses: reward × coef for coef in [0, 1], reward = coef if < 0",
+    )
+    init_kl_coef: float = Field(
+        0.01, ge=0, description="KL coefficient β to the reference model; 0 = no reference model",
+    )
+    kl_target: float | None = Field(
+        None, gt=0, description="target KL of the adaptive KL controller; unset: fixed --init_kl_coef",
+    )
+    kl_horizon: int = Field(10000, ge=1, description="horizon (samples) of the adaptive KL controller")
+    use_kl_loss: bool = Field(False, description="add the KL to the actor loss (GRPO) instead of to the reward")
+    kl_estimator: KLEstimator = Field(
+        "k1", description="KL estimator: k1 (log ratio), k2 (squared / 2), k3 (exp(-d) - 1 + d)",
+    )
+    eps_clip: float = Field(0.2, gt=0, description="PPO ratio clip range")
+    eps_clip_low_high: tuple[float, float] | None = Field(
+        None, description="separate low and high ratio clip ranges; unset: --eps_clip both",
+    )
+    dual_clip: float | None = Field(
+        None, gt=1, description="dual-clip PPO bound c > 1 for negative advantages; unset: off",
+    )
+    value_clip: float = Field(0.5, gt=0, description="critic value clip range")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount factor")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.init_kl_coef > 0
+
+    @property
+    def critic_init(self) -> str | None:
+        """Where the critic starts from (OpenRLHF's rule): --critic_pretrain, else the reward model, else the actor."""
+        return self.critic_pretrain or self.reward_pretrain or self.pretrain
+
+    @property
+    def eps_clip_bounds(self) -> tuple[float, float]:
+        return self.eps_clip_low_high or (self.eps_clip, self.eps_clip)
+
+    @property
+    def actor_ranks(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    def role_ranks(self) -> dict[str, int]:
+        """Ranks of every model this config runs (critic only for gae, reference only with a KL term)."""
+        ranks = {"actor": self.actor_ranks}
+        if self.uses_critic:
+            ranks["critic"] = self.critic_num_nodes * self.critic_num_gpus_per_node
+        if self.uses_reference:
+            ranks["ref"] = self.ref_num_nodes * self.ref_num_gpus_per_node
+        if not self.remote_rm_url:
+            ranks["reward"] = self.reward_num_nodes * self.reward_num_gpus_per_node
+        return ranks
+
+    def train_world_sizes(self) -> dict[str, int]:
+        ranks = self.role_ranks()
+        return {
+            f"--{role}_num_nodes × --{role}_num_gpus_per_node": ranks[role]
+            for role in ("actor", "critic")
+            if role in ranks
+        }
+
+    def _resolve(self) -> None:
+        if self.n_samples_per_prompt is None:
+            self.n_samples_per_prompt = 8 if self.advantage_estimator in GROUP_ESTIMATORS else 1
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        problems += self._placement_problems()
+        problems += self._algorithm_problems()
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        if samples % self.train_batch_size:
+            problems.append(
+                f"--rollout_batch_size {self.rollout_batch_size} × --n_samples_per_prompt {self.n_samples_per_prompt}"
+                f" = {samples} samples is not a multiple of --train_batch_size {self.train_batch_size}"
+            )
+        if samples // self.micro_rollout_batch_size < self.actor_ranks:
+            problems.append(
+                f"{samples} rollout samples / --micro_rollout_batch_size {self.micro_rollout_batch_size} = "
+                f"{samples // self.micro_rollout_batch_size} micro-batches, fewer than the {self.actor_ranks} "
+                "actor ranks"
+            )
+        if self.temperature == 0:
+            problems.append("--temperature 0 is greedy decoding: RL needs sampling, use a temperature > 0")
+        return problems
+
+    def _placement_problems(self) -> list[str]:
+        problems = []
+        for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
+            if getattr(self, flag) and not self.colocate_all_models:
+                problems.append(f"--{flag} requires --colocate_all_models (sleep frees GPUs shared between models)")
+        if self.rollout_backend == "hf":
+            if self.vllm_enable_sleep:
+                problems.append("--vllm_enable_sleep needs vLLM engines: not with --rollout_backend hf")
+            if self.vllm_tensor_parallel_size > 1:
+                problems.append(
+                    f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size} needs --rollout_backend vllm or "
+                    "auto (an HF generate engine runs on one device)"
+                )
+        if self.vllm_sync_backend == "nccl" and self.device == "cpu":
+            problems.append("--vllm_sync_backend nccl needs GPUs: use gloo with --device cpu")
+        ranks = self.role_ranks()
+        if self.colocate_all_models:
+            engine_gpus = self.vllm_num_engines * self.vllm_tensor_parallel_size
+            # Engines share the actor's bundles, one engine rank per bundle at most.
+            if engine_gpus > self.actor_ranks:
+                problems.append(
+                    f"--colocate_all_models needs --vllm_num_engines × --vllm_tensor_parallel_size ({engine_gpus}) "
+                    f"at most --actor_num_nodes × --actor_num_gpus_per_node ({self.actor_ranks})"
+                )
+            for role, count in ranks.items():
+                if count != self.actor_ranks:
+                    problems.append(
+                        f"--colocate_all_models needs as many {role} ranks as actor ranks: --{role}_num_nodes × "
+                        f"--{role}_num_gpus_per_node = {count}, actor = {self.actor_ranks}"
+                    )
+        elif self.colocate_actor_ref and "ref" in ranks and ranks["ref"] != self.actor_ranks:
+            problems.append(
+                f"--colocate_actor_ref needs --ref_num_nodes × --ref_num_gpus_per_node ({ranks['ref']}) equal to "
+                f"--actor_num_nodes × --actor_num_gpus_per_node ({self.actor_ranks})"
+            )
+        if (not self.colocate_all_models and self.colocate_critic_reward and "critic" in ranks and "reward" in ranks
+                and ranks["critic"] != ranks["reward"]):
+            problems.append(
+                f"--colocate_critic_reward needs --critic_num_nodes × --critic_num_gpus_per_node ({ranks['critic']}) "
+                f"equal to --reward_num_nodes × --reward_num_gpus_per_node ({ranks['reward']})"
+            )
+        return problems
+
+    def _algorithm_problems(self) -> list[str]:
+        problems = []
+        estimator = self.advantage_estimator
+        if estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+            problems.append(
+                f"--advantage_estimator {estimator} needs --n_samples_per_prompt >= 2 (its baseline is the other "
+                f"samples of the same prompt), got {self.n_samples_per_prompt}"
+            )
+        if self.no_advantage_std_norm and estimator in ("rloo", "dr_grpo"):
+            problems.append(
+                f"--no_advantage_std_norm has no effect with --advantage_estimator {estimator} (no std division there)"
+            )
+        if self.remote_rm_url and self.reward_pretrain:
+            problems.append(
+                "--remote_rm_url and --reward_pretrain both set: choose one reward source "
+                "(initialise a PPO critic with --critic_pretrain)"
+            )
+        if self.normalize_reward and self.remote_rm_url:
+            problems.append(
+                "--normalize_reward uses the reward model's stored mean/std: it does not apply to --remote_rm_url"
+            )
+        if self.init_kl_coef == 0:
+            if self.use_kl_loss:
+                problems.append("--use_kl_loss with --init_kl_coef 0 adds nothing: set --init_kl_coef > 0")
+            if self.kl_estimator != "k1":
+                problems.append(f"--kl_estimator {self.kl_estimator} is unused with --init_kl_coef 0 (no KL term)")
+            if self.kl_target is not None:
+                problems.append("--kl_target adapts --init_kl_coef, which is 0: set --init_kl_coef > 0")
+        low, high = self.reward_clip_range
+        if low >= high:
+            problems.append(f"--reward_clip_range {low} {high}: low must be below high")
+        if self.eps_clip_low_high is not None and min(self.eps_clip_low_high) <= 0:
+            problems.append("--eps_clip_low_high: both clip ranges must be > 0")
+        if self.overlong_buffer_len is not None and self.overlong_buffer_len >= self.generate_max_len:
+            problems.append(
+                f"--overlong_buffer_len {self.overlong_buffer_len} must be below --generate_max_len "
+                f"{self.generate_max_len}"
+            )
+        return problems
+
+
+class EvaluateConfig(RankLayout, PromptConfig):
+    """Held-out evaluation of a policy against its reference: `python -m stages.evaluate`; writes a report.
+
+    Scores with the reward model, the reward function, or both.
+    """
+
+    pretrain: str | None = Field(None, description="policy to evaluate (HF dir, hub name or s3:// URI)")
+    ref_pretrain: str | None = Field(
+        None, description="reference policy to compare with (KL, reward gain, accuracy); unset: no comparison",
+    )
+    temperature: float = Field(
+        0.0, ge=0, description="sampling temperature of the scored responses; 0 = greedy decoding",
+    )
+    micro_rollout_batch_size: int = Field(16, ge=1, description="prompts per generate/score batch on one rank")
+
+
+STAGE_CONFIGS: dict[str, type[StageConfig]] = {
+    "sft": SFTConfig,
+    "reward_model": RewardModelConfig,
+    "dpo": DPOConfig,
+    "kto": KTOConfig,
+    "rl": RLConfig,
+    "evaluate": EvaluateConfig,
+}
+
+
+class PipelineConfig(_Strict):
+    """One full-rlhf run (SFT → reward model → RL → evaluation) and where its artifacts go; a preset's schema."""
+
+    name: str = Field(
+        "rlhf", pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="pipeline name: artifact namespace (lowercase letters, digits, dashes)",
+    )
+    artifact_root: str = Field("./artifacts", description="artifact store root: a path, file:// or s3://bucket/prefix")
+    tiny_assets_dir: str | None = Field(
+        None, description="build the tiny model and datasets here and use them for every model/data path left unset",
+    )
+    promotion_min_reward_gain: float = Field(
+        0.0, description="promote the policy only if its mean eval reward beats the reference's by more than this",
+    )
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="reward model stage")
+    rl: RLConfig = Field(default_factory=RLConfig, description="RL stage")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="evaluation stage")
+    dpo: DPOConfig = Field(
+        default_factory=DPOConfig,
+        description="DPO stage (not in the full-rlhf flow; python -m stages.dpo --config <preset>)",
+    )
+    kto: KTOConfig = Field(
+        default_factory=KTOConfig,
+        description="KTO stage (not in the full-rlhf flow; python -m stages.kto --config <preset>)",
+    )
+
+    @model_validator(mode="after")
+    def _inputs_available(self) -> PipelineConfig:
+        # Later stages get their models from earlier stages' artifacts; these come only from the config or tiny assets.
+        if self.tiny_assets_dir is None:
+            external = [("sft", "pretrain"), ("sft", "dataset"), ("reward_model", "dataset"), ("rl", "prompt_data"),
+                        ("evaluate", "prompt_data")]
+            missing = [f"{stage}.{name}" for stage, name in external if getattr(getattr(self, stage), name) is None]
+            if missing:
+                raise ValueError(f"{', '.join(missing)} unset and no tiny_assets_dir to provide them")
+        return self
+
+
+# ---------------------------------------------------------------- presets
+
+def preset_names() -> list[str]:
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.yaml"))
+
+
+def preset_path(name_or_path: str) -> Path:
+    """configs/<name>.yaml next to this package for a preset name; otherwise the YAML file path itself."""
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        return path
+    path = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name_or_path!r}: use one of {', '.join(preset_names())} or a YAML path")
+    return path
+
+
+def _read_yaml_mapping(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def _is_stage_file(data: dict) -> bool:
+    """A YAML file holds either a preset (pipeline keys, stage sections) or one stage's flags at the top level."""
+    return bool(data) and not set(data) & set(PipelineConfig.model_fields)
+
+
+def load_preset(name_or_path: str) -> dict:
+    """The preset as a dict: pipeline keys plus one section per stage (an empty section when absent or null)."""
+    path = preset_path(name_or_path)
+    data = _read_yaml_mapping(path)
+    unknown = sorted(set(data) - set(PipelineConfig.model_fields))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown keys {', '.join(unknown)}; expected stage sections ({', '.join(STAGE_CONFIGS)}) "
+            f"or pipeline keys ({', '.join(k for k in PipelineConfig.model_fields if k not in STAGE_CONFIGS)})"
+        )
+    for stage in STAGE_CONFIGS:
+        section = data.get(stage)
+        if section is None:
+            data[stage] = {}
+        elif not isinstance(section, dict):
+            raise ConfigError(f"{path}: section {stage!r} must be a mapping of flag names to values")
+    return data
+
+
+def load_pipeline_config(name_or_path: str, overrides: dict | None = None) -> PipelineConfig:
+    """A preset with `overrides` merged into it (nested dicts merge, e.g. {"rl": {"seed": 1}}), validated."""
+    data = _deep_merge(load_preset(name_or_path), overrides or {})
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as error:
+        lines = _error_lines(error, lambda loc: ".".join(str(part) for part in loc))
+        raise ConfigError(f"{preset_path(name_or_path)}: " + "; ".join(lines)) from error
+
+
+def _deep_merge(base: dict, overrides: dict) -> dict:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# ---------------------------------------------------------------- command line
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help text only at spaces, so flag names and numbers in descriptions stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def build_parser(model_cls: type[BaseModel], prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per field of `model_cls`, plus --config.
+
+    Unset flags stay out of the namespace, so that a preset's values are only overridden by flags actually given.
+    """
+    stage = next((name for name, cls in STAGE_CONFIGS.items() if cls is model_cls), None)
+    parser = argparse.ArgumentParser(
+        prog=prog or (f"python -m stages.{stage}" if stage else None),
+        usage="%(prog)s [--config PRESET_OR_YAML] [--FLAG VALUE ...] (--help lists every flag)",
+        description=(model_cls.__doc__ or "").strip(),
+        allow_abbrev=False,
+        formatter_class=_HelpFormatter,
+    )
+    section = f"its {stage}: section" if stage else "its section for this stage"
+    parser.add_argument(
+        "--config", default=None, metavar="PRESET_OR_YAML",
+        help=f"preset ({', '.join(preset_names())}) or YAML path; {section} (or a YAML of this stage's flags "
+        "alone) is the base that flags override",
+    )
+    for name, field in model_cls.model_fields.items():
+        _add_field_flag(parser, name, field.annotation, field.default, field.description or "")
+    return parser
+
+
+def _add_field_flag(
+    parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, description: str
+) -> None:
+    kind, choices, nargs, optional = _cli_shape(name, annotation)
+    help_text = description.replace("%", "%%")
+    if kind is bool:
+        parser.add_argument(f"--{name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
+        if not name.startswith("no_"):
+            parser.add_argument(
+                f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS,
+                help=f"turn off --{name} (when a preset turns it on)",
+            )
+        return
+    shown = "unset" if default is None else " ".join(map(str, default)) if isinstance(default, tuple) else default
+    convert: Any = kind
+    if optional and nargs is None and choices is None:
+        convert = _or_none(kind)
+        help_text += "; 'none' unsets it"
+    parser.add_argument(
+        f"--{name}", type=convert, choices=choices, nargs=nargs, default=argparse.SUPPRESS,
+        metavar=None if choices else name.upper(), help=f"{help_text} (default: {shown})",
+    )
+
+
+def _or_none(kind: type) -> Any:
+    """The flag's value type, where the word 'none' unsets the field (e.g. a model path a preset sets)."""
+
+    def convert(text: str) -> Any:
+        return None if text.lower() == "none" else kind(text)
+
+    convert.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+    return convert
+
+
+def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | None, bool]:
+    """(value type, choices, nargs, optional) of a field's flag."""
+    optional = False
+    if get_origin(annotation) in (Union, types.UnionType):
+        options = [arg for arg in get_args(annotation) if arg is not type(None)]
+        if len(options) != 1:
+            raise TypeError(f"field {name}: no command-line form for {annotation!r}")
+        annotation, optional = options[0], True
+    if get_origin(annotation) is Literal:
+        values = get_args(annotation)
+        return type(values[0]), values, None, optional
+    if get_origin(annotation) is tuple:
+        items = get_args(annotation)
+        return items[0], None, len(items), optional
+    if annotation in (bool, int, float, str):
+        return annotation, None, None, optional
+    raise TypeError(f"field {name}: no command-line form for {annotation!r}")
+
+
+def parse_stage_args(stage: str, argv: list[str] | None = None, *, require_inputs: bool = True) -> StageConfig:
+    """The `stage:` section of --config (or the whole file, when it holds only this stage's flags) overridden by
+    the flags in argv, validated.
+
+    Exits with code 2 and a message naming the flags on unknown flags, invalid values, impossible combinations
+    and (with require_inputs) unset required inputs such as --pretrain.
+    """
+    if stage not in STAGE_CONFIGS:
+        raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGE_CONFIGS)}")
+    model_cls = STAGE_CONFIGS[stage]
+    parser = build_parser(model_cls)
+    flags = vars(parser.parse_args(argv))
+    config = flags.pop("config")
+    values: dict[str, Any] = {}
+    where = prefix = ""  # the file that values not given as flags come from, and their key prefix there
+    if config is not None:
+        try:
+            path = preset_path(config)
+            data = _read_yaml_mapping(path)
+            stage_file = _is_stage_file(data)
+            values = data if stage_file else load_preset(config)[stage]
+        except ConfigError as error:
+            parser.error(str(error))
+        where, prefix = str(path), ("" if stage_file else f"{stage}.")
+    values.update(flags)
+
+    def name_of(loc: tuple) -> str:
+        field = str(loc[0])
+        return f"--{field}" if field in flags or not where else f"{prefix}{field} in {where}"
+
+    try:
+        cfg = model_cls.model_validate(values)
+    except ValidationError as error:
+        parser.error("\n".join(_error_lines(error, name_of)))
+    missing = cfg.missing_inputs() if require_inputs else []
+    if missing:
+        parser.error(f"missing required {', '.join(missing)}")
+    return cfg
+
+
+def _error_lines(error: ValidationError, name_of: Callable[[tuple], str]) -> list[str]:
+    """One line per validation error, naming the flag (or preset key) and the reason."""
+    lines = []
+    for item in error.errors():
+        loc, message = item["loc"], item["msg"].removeprefix("Value error, ")
+        if item["type"] == "value_error":  # raised by a model validator: the message names the flags
+            lines.append(f"{name_of(loc)}: {message}" if loc else message)
+        elif item["type"] == "extra_forbidden":
+            lines.append(f"unknown field {name_of(loc)}")
+        else:
+            lines.append(f"invalid value for {name_of(loc)}: {message}")
+    return lines
+
+
+def config_hash(cfg: BaseModel) -> str:
+    """sha256 of the canonical JSON of a resolved config, leaving out output locations and --local_rank."""
+    canonical = json.dumps(_without_unhashed(cfg.model_dump(mode="json")), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _without_unhashed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _without_unhashed(item) for key, item in value.items() if key not in UNHASHED_FIELDS}
+    return value

@@ -1,0 +1,439 @@
+"""Stage configs and their command line: the seed's commands, presets, impossible combinations, help, hashing."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+
+from stages.config import (
+    STAGE_CONFIGS,
+    ConfigError,
+    PipelineConfig,
+    RLConfig,
+    build_parser,
+    config_hash,
+    load_pipeline_config,
+    load_preset,
+    parse_stage_args,
+)
+
+# ---------------------------------------------------------------- the seed's commands, module paths swapped
+
+SEED_PPO_HYBRID = """
+ray job submit --address="http://127.0.0.1:8265" \\
+  --runtime-env-json='{"working_dir": "/openrlhf"}' \\
+  -- python3 -m stages.rl \\
+  --ref_num_nodes 1 --ref_num_gpus_per_node 8 \\
+  --reward_num_nodes 1 --reward_num_gpus_per_node 8 \\
+  --critic_num_nodes 1 --critic_num_gpus_per_node 8 \\
+  --actor_num_nodes 1 --actor_num_gpus_per_node 8 \\
+  --vllm_num_engines 4 --vllm_tensor_parallel_size 2 \\
+  --colocate_all_models \\
+  --vllm_gpu_memory_utilization 0.5 \\
+  --pretrain OpenRLHF/Llama-3-8b-sft-mixture \\
+  --reward_pretrain OpenRLHF/Llama-3-8b-rm-700k \\
+  --save_path ./output/llama3-8b-rlhf \\
+  --micro_train_batch_size 8 --train_batch_size 128 \\
+  --micro_rollout_batch_size 16 --rollout_batch_size 1024 \\
+  --max_epochs 1 --prompt_max_len 1024 --generate_max_len 1024 \\
+  --zero_stage 3 --bf16 \\
+  --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 \\
+  --init_kl_coef 0.01 --normalize_reward \\
+  --gradient_checkpointing --packing_samples \\
+  --vllm_enable_sleep --deepspeed_enable_sleep
+"""
+
+SEED_GRPO_ADDITION = "--advantage_estimator group_norm"
+
+SEED_RM = """
+deepspeed --module stages.reward_model \\
+  --save_path ./output/llama3-8b-rm \\
+  --save_steps -1 --logging_steps 1 \\
+  --eval_steps -1 --train_batch_size 256 \\
+  --micro_train_batch_size 1 --pretrain meta-llama/Meta-Llama-3-8B \\
+  --bf16 --max_epochs 1 --max_len 8192 \\
+  --zero_stage 3 --learning_rate 9e-6 \\
+  --dataset OpenRLHF/preference_dataset_mixture2_and_safe_pku \\
+  --apply_chat_template --chosen_key chosen \\
+  --rejected_key rejected --flash_attn --gradient_checkpointing
+"""
+
+SEED_PPO = """
+ray job submit --address="http://127.0.0.1:8265" \\
+  -- python3 -m stages.rl \\
+  --ref_num_nodes 1 --ref_num_gpus_per_node 8 \\
+  --reward_num_nodes 1 --reward_num_gpus_per_node 8 \\
+  --critic_num_nodes 1 --critic_num_gpus_per_node 8 \\
+  --actor_num_nodes 1 --actor_num_gpus_per_node 8 \\
+  --vllm_num_engines 4 --vllm_tensor_parallel_size 2 \\
+  --colocate_all_models \\
+  --pretrain OpenRLHF/Llama-3-8b-sft-mixture \\
+  --reward_pretrain ./output/llama3-8b-rm \\
+  --save_path ./output/llama3-8b-ppo \\
+  --micro_train_batch_size 8 --train_batch_size 128 \\
+  --micro_rollout_batch_size 16 --rollout_batch_size 1024 \\
+  --max_epochs 1 --prompt_max_len 1024 --generate_max_len 1024 \\
+  --zero_stage 3 --bf16 \\
+  --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 \\
+  --init_kl_coef 0.01 --normalize_reward \\
+  --vllm_enable_sleep --deepspeed_enable_sleep
+"""
+
+SEED_GRPO = """
+ray job submit --address="http://127.0.0.1:8265" \\
+  -- python3 -m stages.rl \\
+  --advantage_estimator group_norm \\
+  --ref_num_nodes 1 --ref_num_gpus_per_node 8 \\
+  --reward_num_nodes 1 --reward_num_gpus_per_node 8 \\
+  --actor_num_nodes 1 --actor_num_gpus_per_node 8 \\
+  --vllm_num_engines 4 --vllm_tensor_parallel_size 2 \\
+  --colocate_all_models \\
+  --pretrain OpenRLHF/Llama-3-8b-sft-mixture \\
+  --reward_pretrain OpenRLHF/Llama-3-8b-rm-700k \\
+  --save_path ./output/llama3-8b-grpo \\
+  --micro_train_batch_size 8 --train_batch_size 128 \\
+  --micro_rollout_batch_size 16 --rollout_batch_size 1024 \\
+  --max_epochs 1 --bf16 \\
+  --actor_learning_rate 5e-7 \\
+  --init_kl_coef 0.01 --use_kl_loss --kl_estimator k3 \\
+  --normalize_reward --no_advantage_std_norm
+"""
+
+SEED_DPO = """
+deepspeed --module stages.dpo \\
+  --save_path ./output/llama3-8b-dpo \\
+  --save_steps -1 --logging_steps 1 \\
+  --eval_steps -1 --train_batch_size 256 \\
+  --micro_train_batch_size 2 --pretrain meta-llama/Meta-Llama-3-8B \\
+  --bf16 --max_epochs 1 --max_len 8192 \\
+  --zero_stage 3 --learning_rate 5e-7 --beta 0.1 \\
+  --dataset OpenRLHF/preference_dataset_mixture2_and_safe_pku \\
+  --apply_chat_template --chosen_key chosen \\
+  --rejected_key rejected --flash_attn --gradient_checkpointing
+"""
+
+SEED_SEPARATE_GPUS = """
+--actor_num_gpus_per_node 8 \\
+--critic_num_gpus_per_node 8 \\
+--reward_num_gpus_per_node 8 \\
+--ref_num_gpus_per_node 8
+"""
+SEED_HYBRID_ENGINE = "--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep"
+SEED_KL_INCREASE = "--init_kl_coef 0.05"
+SEED_VLLM = "--vllm_num_engines 4 --vllm_tensor_parallel_size 2 --vllm_gpu_memory_utilization 0.5"
+
+
+def stage_argv(command: str) -> tuple[str, list[str]]:
+    """(stage, flags) of `deepspeed --module stages.X ...` or `ray job submit ... -- python3 -m stages.X ...`."""
+    words = shlex.split(command.replace("\\\n", " "))
+    module_at = next(i for i, word in enumerate(words) if word.startswith("stages."))
+    return words[module_at].removeprefix("stages."), words[module_at + 1 :]
+
+
+def flags(snippet: str) -> list[str]:
+    return shlex.split(snippet.replace("\\\n", " "))
+
+
+def without(argv: list[str], *dropped: str) -> list[str]:
+    return [word for word in argv if word not in dropped]
+
+
+def parse_error(capsys, stage: str, argv: list[str], **kwargs) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_stage_args(stage, argv, **kwargs)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_seed_ppo_hybrid_engine_lands_with_its_meaning():
+    stage, argv = stage_argv(SEED_PPO_HYBRID)
+    assert stage == "rl"
+    cfg = parse_stage_args(stage, argv, require_inputs=False)
+    assert isinstance(cfg, RLConfig)
+    assert cfg.pretrain == "OpenRLHF/Llama-3-8b-sft-mixture"
+    assert cfg.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k"
+    assert (cfg.vllm_num_engines, cfg.vllm_tensor_parallel_size, cfg.vllm_gpu_memory_utilization) == (4, 2, 0.5)
+    assert cfg.colocate_all_models and cfg.vllm_enable_sleep and cfg.deepspeed_enable_sleep
+    assert (cfg.micro_train_batch_size, cfg.train_batch_size) == (8, 128)
+    assert (cfg.micro_rollout_batch_size, cfg.rollout_batch_size) == (16, 1024)
+    assert (cfg.actor_learning_rate, cfg.critic_learning_rate, cfg.init_kl_coef) == (5e-7, 9e-6, 0.01)
+    assert cfg.zero_stage == 3 and cfg.bf16 and cfg.normalize_reward
+    assert cfg.gradient_checkpointing and cfg.packing_samples
+    assert cfg.advantage_estimator == "gae" and cfg.uses_critic and cfg.n_samples_per_prompt == 1
+    assert cfg.critic_init == "OpenRLHF/Llama-3-8b-rm-700k"
+    assert cfg.role_ranks() == {"actor": 8, "critic": 8, "ref": 8, "reward": 8}
+
+
+def test_seed_grpo_is_the_ppo_command_plus_group_norm():
+    stage, argv = stage_argv(SEED_PPO_HYBRID)
+    cfg = parse_stage_args(stage, argv + flags(SEED_GRPO_ADDITION), require_inputs=False)
+    assert cfg.advantage_estimator == "group_norm"
+    assert not cfg.uses_critic and "critic" not in cfg.role_ranks()
+    assert cfg.n_samples_per_prompt == 8  # unset: a group estimator needs a group
+
+
+def test_seed_workflow_ppo_with_own_reward_model():
+    stage, argv = stage_argv(SEED_PPO)
+    cfg = parse_stage_args(stage, argv, require_inputs=False)
+    assert cfg.reward_pretrain == "./output/llama3-8b-rm" and cfg.save_path == "./output/llama3-8b-ppo"
+    assert not cfg.packing_samples and cfg.vllm_gpu_memory_utilization == 0.95
+
+
+def test_seed_workflow_grpo():
+    stage, argv = stage_argv(SEED_GRPO)
+    cfg = parse_stage_args(stage, argv, require_inputs=False)
+    assert cfg.advantage_estimator == "group_norm" and cfg.use_kl_loss and cfg.kl_estimator == "k3"
+    assert cfg.no_advantage_std_norm and cfg.normalize_reward and not cfg.uses_critic
+    assert cfg.save_path == "./output/llama3-8b-grpo" and cfg.prompt_max_len == 1024
+
+
+def test_seed_rl_commands_name_no_prompt_data(capsys):
+    """The seed's RL commands give no --prompt_data: a run says so; the llama3-8b preset supplies it."""
+    for command in (SEED_PPO_HYBRID, SEED_PPO, SEED_GRPO):
+        stage, argv = stage_argv(command)
+        assert "missing required --prompt_data" in parse_error(capsys, stage, argv)
+        cfg = parse_stage_args(stage, ["--config", "llama3-8b", *argv])
+        assert cfg.prompt_data == "OpenRLHF/prompt-collection-v0.1"
+
+
+def test_seed_reward_model_under_the_deepspeed_launcher():
+    stage, argv = stage_argv(SEED_RM)
+    assert stage == "reward_model"
+    cfg = parse_stage_args(stage, [*argv, "--local_rank=0"])
+    assert cfg.local_rank == 0
+    assert (cfg.save_steps, cfg.logging_steps, cfg.eval_steps) == (-1, 1, -1)
+    assert (cfg.train_batch_size, cfg.micro_train_batch_size, cfg.max_len) == (256, 1, 8192)
+    assert cfg.pretrain == "meta-llama/Meta-Llama-3-8B" and cfg.learning_rate == 9e-6
+    assert cfg.dataset == "OpenRLHF/preference_dataset_mixture2_and_safe_pku"
+    assert cfg.apply_chat_template and cfg.flash_attn and cfg.gradient_checkpointing and cfg.bf16
+    assert (cfg.chosen_key, cfg.rejected_key, cfg.prompt_key, cfg.loss) == ("chosen", "rejected", None, "sigmoid")
+
+
+def test_seed_dpo():
+    stage, argv = stage_argv(SEED_DPO)
+    cfg = parse_stage_args(stage, [*argv, "--local_rank=3"])
+    assert (cfg.beta, cfg.learning_rate, cfg.micro_train_batch_size, cfg.zero_stage) == (0.1, 5e-7, 2, 3)
+    assert cfg.local_rank == 3 and cfg.ref_pretrain is None and not cfg.ipo
+
+
+def test_seed_troubleshooting_snippets():
+    _, ppo = stage_argv(SEED_PPO_HYBRID)
+    separate = without(ppo, "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep")
+    cfg = parse_stage_args("rl", separate + flags(SEED_SEPARATE_GPUS), require_inputs=False)
+    assert not cfg.colocate_all_models and cfg.critic_num_gpus_per_node == 8
+    cfg = parse_stage_args("rl", separate + flags(SEED_HYBRID_ENGINE) + flags(SEED_KL_INCREASE) + flags(SEED_VLLM),
+                           require_inputs=False)
+    assert cfg.colocate_all_models and cfg.vllm_enable_sleep and cfg.init_kl_coef == 0.05
+
+
+# ---------------------------------------------------------------- rejected input
+
+def test_unknown_flag_is_rejected_by_name(capsys):
+    _, argv = stage_argv(SEED_RM)
+    err = parse_error(capsys, "reward_model", [*argv, "--bogus_flag", "1"])
+    assert "unrecognized arguments: --bogus_flag" in err
+
+
+def test_abbreviated_flag_is_not_accepted(capsys):
+    err = parse_error(capsys, "sft", ["--pretr", "model", "--dataset", "d"])
+    assert "--pretr" in err
+
+
+def test_invalid_values_name_the_flag(capsys):
+    _, argv = stage_argv(SEED_RM)
+    assert "invalid value for --zero_stage" in parse_error(capsys, "reward_model", [*argv, "--zero_stage", "4"])
+    assert "invalid value for --learning_rate" in parse_error(capsys, "reward_model", [*argv, "--learning_rate", "-1"])
+    assert "--kl_estimator: invalid choice" in parse_error(capsys, "rl", ["--kl_estimator", "k4"])
+
+
+_, PPO = stage_argv(SEED_PPO_HYBRID)
+_, RM = stage_argv(SEED_RM)
+TINY = ["--config", "tiny"]
+GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
+
+
+@pytest.mark.parametrize(
+    ("stage", "argv", "named"),
+    [
+        ("rl", without(PPO, "--colocate_all_models", "--deepspeed_enable_sleep"),
+         ["--vllm_enable_sleep requires --colocate_all_models"]),
+        ("rl", without(PPO, "--colocate_all_models", "--vllm_enable_sleep"),
+         ["--deepspeed_enable_sleep requires --colocate_all_models"]),
+        *[("rl", [*PPO, "--advantage_estimator", name, "--n_samples_per_prompt", "1"],
+           [f"--advantage_estimator {name} needs --n_samples_per_prompt >= 2"]) for name in GROUP_ESTIMATORS],
+        ("rl", [*PPO, "--critic_num_gpus_per_node", "4"],
+         ["--colocate_all_models", "critic", "--critic_num_gpus_per_node"]),
+        ("rl", [*PPO, "--train_batch_size", "100", "--rollout_batch_size", "1000"],
+         ["--train_batch_size 100", "--micro_train_batch_size 8", "--actor_num_nodes × --actor_num_gpus_per_node"]),
+        ("reward_model", [*RM, "--train_batch_size", "100"],
+         ["--train_batch_size 100", "--micro_train_batch_size 1", "--num_nodes 1 × --num_gpus_per_node 8"]),
+        ("rl", [*PPO, "--rollout_batch_size", "1000"],
+         ["--rollout_batch_size 1000 × --n_samples_per_prompt 1", "--train_batch_size 128"]),
+        ("rl", [*PPO, "--micro_rollout_batch_size", "256"], ["--micro_rollout_batch_size 256", "8 actor ranks"]),
+        *[("rl", [*PPO, "--advantage_estimator", name, "--no_advantage_std_norm", "--n_samples_per_prompt", "4"],
+           [f"--no_advantage_std_norm has no effect with --advantage_estimator {name}"])
+          for name in ("rloo", "dr_grpo")],
+        ("rl", [*PPO, "--init_kl_coef", "0", "--use_kl_loss"], ["--use_kl_loss with --init_kl_coef 0"]),
+        ("rl", [*PPO, "--init_kl_coef", "0", "--kl_estimator", "k3"], ["--kl_estimator k3", "--init_kl_coef 0"]),
+        ("rl", [*PPO, "--init_kl_coef", "0", "--kl_target", "6"], ["--kl_target", "--init_kl_coef"]),
+        ("rl", [*PPO, "--vllm_num_engines", "8"],
+         ["--colocate_all_models needs --vllm_num_engines × --vllm_tensor_parallel_size (16) at most"]),
+        ("rl", [*PPO, "--remote_rm_url", "reward.py"], ["--remote_rm_url and --reward_pretrain", "--normalize_reward"]),
+        ("rl", [*PPO, "--rollout_backend", "hf"], ["--vllm_tensor_parallel_size 2 needs --rollout_backend vllm"]),
+        ("rl", [*TINY, "--rollout_backend", "hf", "--vllm_tensor_parallel_size", "2"],
+         ["needs --rollout_backend vllm"]),
+        ("rl", [*TINY, "--vllm_num_engines", "0"], ["invalid value for --vllm_num_engines"]),
+        ("rl", [*TINY, "--vllm_sync_backend", "nccl"], ["--vllm_sync_backend nccl", "--device cpu"]),
+        ("rl", [*TINY, "--temperature", "0"], ["--temperature 0"]),
+        ("rl", [*TINY, "--reward_clip_range", "5", "-5"], ["--reward_clip_range 5.0 -5.0"]),
+        ("rl", [*TINY, "--dual_clip", "0.5"], ["invalid value for --dual_clip"]),
+        ("sft", [*TINY, "--flash_attn"], ["--flash_attn needs --device cuda"]),
+        ("sft", [*TINY, "--no_apply_chat_template", "--input_template", "Q: "], ["--input_template 'Q: ' has no {}"]),
+        ("sft", [*TINY, "--input_template", "Q: {}"], ["--input_template and --apply_chat_template"]),
+        ("sft", [*TINY, "--save_steps", "0"], ["--save_steps 0"]),
+        ("reward_model", [*RM, "--zero_stage", "0", "--adam_offload"], ["--adam_offload needs --zero_stage"]),
+        ("dpo", [*TINY, "--ipo", "--label_smoothing", "0.1"], ["--label_smoothing", "--ipo"]),
+        ("evaluate", [*TINY, "--temperature", "-1"], ["invalid value for --temperature"]),
+    ],
+)
+def test_impossible_combinations_are_rejected_naming_the_flags(capsys, stage, argv, named):
+    err = parse_error(capsys, stage, argv, require_inputs=False)
+    for text in named:
+        assert text in err
+
+
+def test_group_estimators_need_no_critic_settings():
+    # Without --colocate_all_models the critic's size only matters for gae.
+    separate = without(PPO, "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep")
+    odd_critic = [*separate, "--critic_num_gpus_per_node", "3"]
+    for name in GROUP_ESTIMATORS:
+        cfg = parse_stage_args("rl", [*odd_critic, "--advantage_estimator", name], require_inputs=False)
+        assert not cfg.uses_critic
+    with pytest.raises(SystemExit):
+        parse_stage_args("rl", odd_critic, require_inputs=False)  # gae trains the 3-rank critic: 128 % (8 × 3)
+
+
+def test_missing_inputs_are_named(capsys):
+    assert "missing required --pretrain, --dataset" in parse_error(capsys, "sft", TINY)
+    err = parse_error(capsys, "evaluate", [*TINY, "--pretrain", "p", "--prompt_data", "d"])
+    assert "missing required --reward_pretrain or --remote_rm_url" in err
+    both = ["--pretrain", "p", "--prompt_data", "d", "--reward_pretrain", "rm", "--remote_rm_url", "reward.py"]
+    assert parse_stage_args("evaluate", [*TINY, *both]).remote_rm_url == "reward.py"  # evaluation may use both
+
+
+# ---------------------------------------------------------------- presets
+
+def test_presets_load_and_validate():
+    tiny = load_pipeline_config("tiny")
+    assert tiny.name == "tiny" and tiny.tiny_assets_dir
+    assert tiny.sft.device == "cpu" and tiny.sft.world_size == 2 and tiny.sft.zero_stage == 2 and not tiny.sft.bf16
+    assert tiny.sft.pretrain is None and tiny.rl.pretrain is None and tiny.rl.reward_pretrain is None
+    assert tiny.rl.advantage_estimator == "group_norm" and tiny.rl.use_kl_loss and tiny.rl.kl_estimator == "k3"
+    assert tiny.rl.rollout_backend == "auto" and tiny.rl.vllm_num_engines == 1 and tiny.rl.actor_ranks == 2
+
+    llama = load_pipeline_config("llama3-8b")
+    rl = llama.rl
+    assert rl.pretrain == "OpenRLHF/Llama-3-8b-sft-mixture" and rl.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k"
+    assert rl.role_ranks() == {"actor": 8, "critic": 8, "ref": 8, "reward": 8}
+    assert (rl.vllm_num_engines, rl.vllm_tensor_parallel_size, rl.zero_stage, rl.bf16) == (4, 2, 3, True)
+    assert rl.colocate_all_models and rl.vllm_enable_sleep and rl.deepspeed_enable_sleep
+    assert (rl.train_batch_size, rl.rollout_batch_size, rl.actor_learning_rate) == (128, 1024, 5e-7)
+    assert llama.reward_model.max_len == 8192 and llama.dpo.beta == 0.1
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])
+def test_every_stage_parses_from_each_preset(preset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # presets are found next to the package, not in the working directory
+    for stage in STAGE_CONFIGS:
+        cfg = parse_stage_args(stage, ["--config", preset], require_inputs=False)
+        assert cfg == getattr(load_pipeline_config(preset), stage)
+
+
+def test_flags_override_the_preset_section(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({"rl": load_preset("tiny")["rl"] | {"seed": 3}}))
+    cfg = parse_stage_args("rl", ["--config", str(path)], require_inputs=False)
+    assert cfg.seed == 3 and cfg.use_kl_loss
+    cfg = parse_stage_args("rl", ["--config", str(path), "--seed", "7", "--no_use_kl_loss", "--kl_estimator", "k1",
+                                  "--reward_clip_range", "-5", "5"], require_inputs=False)
+    assert cfg.seed == 7 and not cfg.use_kl_loss and cfg.reward_clip_range == (-5.0, 5.0)
+
+
+def test_none_unsets_a_preset_value(capsys):
+    cfg = parse_stage_args("rl", ["--config", "llama3-8b", "--reward_pretrain", "none", "--remote_rm_url", "reward.py",
+                                  "--no_normalize_reward"])
+    assert cfg.reward_pretrain is None and cfg.remote_rm_url == "reward.py" and "reward" not in cfg.role_ranks()
+    assert "invalid int value: 'x'" in parse_error(capsys, "rl", ["--vllm_num_engines", "x"])
+
+
+def test_bad_presets_are_named(capsys, tmp_path):
+    assert "unknown preset 'nope'" in parse_error(capsys, "sft", ["--config", "nope"])
+    path = tmp_path / "typo.yaml"
+    path.write_text("rl:\n  actor_lr: 1.0\n")
+    assert f"unknown field rl.actor_lr in {path}" in parse_error(capsys, "rl", ["--config", str(path)])
+    path.write_text("rl:\n  zero_stage: 9\n")
+    assert f"invalid value for rl.zero_stage in {path}" in parse_error(capsys, "rl", ["--config", str(path)])
+    path.write_text("stagez: {}\n")
+    with pytest.raises(ConfigError, match="unknown keys stagez"):
+        load_preset(str(path))
+
+
+def test_pipeline_overrides_merge_and_errors_name_the_field():
+    cfg = load_pipeline_config("tiny", {"rl": {"seed": 7}, "artifact_root": "s3://bucket/rlhf"})
+    assert cfg.rl.seed == 7 and cfg.rl.advantage_estimator == "group_norm" and cfg.artifact_root == "s3://bucket/rlhf"
+    with pytest.raises(ConfigError, match=r"invalid value for rl\.zero_stage"):
+        load_pipeline_config("tiny", {"rl": {"zero_stage": 7}})
+    with pytest.raises(ConfigError, match=r"rl: --vllm_enable_sleep requires --colocate_all_models"):
+        load_pipeline_config("tiny", {"rl": {"colocate_all_models": False, "vllm_enable_sleep": True}})
+    with pytest.raises(ConfigError, match=r"sft\.pretrain, sft\.dataset.* no tiny_assets_dir"):
+        load_pipeline_config("tiny", {"tiny_assets_dir": None})
+
+
+# ---------------------------------------------------------------- help, descriptions, hashing
+
+def test_every_field_has_a_one_line_description():
+    for model_cls in [*STAGE_CONFIGS.values(), PipelineConfig]:
+        for name, field in model_cls.model_fields.items():
+            assert field.description and "\n" not in field.description, f"{model_cls.__name__}.{name}"
+
+
+@pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
+def test_help_lists_every_field_with_its_description(stage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_stage_args(stage, ["--help"])
+    assert exit_info.value.code == 0
+    shown = "".join(capsys.readouterr().out.split())
+    for name, field in STAGE_CONFIGS[stage].model_fields.items():
+        assert f"--{name}" in shown
+        assert "".join(field.description.split()) in shown, name
+
+
+def test_build_parser_flag_shapes():
+    parser = build_parser(RLConfig)
+    assert not parser.allow_abbrev
+    args = vars(parser.parse_args(["--adam_betas", "0.9", "0.99", "--eps_clip_low_high", "0.2", "0.28", "--bf16"]))
+    assert args == {"config": None, "adam_betas": [0.9, 0.99], "eps_clip_low_high": [0.2, 0.28], "bf16": True}
+
+
+def test_config_hash_is_stable_and_ignores_placement():
+    cfg = load_pipeline_config("tiny").rl
+    digest = config_hash(cfg)
+    assert len(digest) == 64 and digest == config_hash(load_pipeline_config("tiny").rl)
+    assert config_hash(RLConfig.model_validate(cfg.model_dump())) == digest  # a dumped config re-validates unchanged
+    assert config_hash(cfg.model_copy(update={"local_rank": 3, "save_path": "/x", "ckpt_path": "/y"})) == digest
+    assert config_hash(cfg.model_copy(update={"seed": 43})) != digest
+    assert config_hash(load_pipeline_config("tiny")) != config_hash(load_pipeline_config("llama3-8b"))
+
+
+def test_a_resolved_stage_config_round_trips_through_yaml(tmp_path, capsys):
+    _, argv = stage_argv(SEED_GRPO)
+    cfg = parse_stage_args("rl", ["--config", "llama3-8b", *argv])
+    section, flat = tmp_path / "section.yaml", tmp_path / "flat.yaml"
+    section.write_text(yaml.safe_dump({"rl": cfg.model_dump(mode="json")}))
+    flat.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))  # one stage's flags, as a job's workspace holds
+    assert parse_stage_args("rl", ["--config", str(section)]) == cfg
+    assert parse_stage_args("rl", ["--config", str(flat)]) == cfg
+    flat.write_text(yaml.safe_dump({"seed": 1, "actor_lr": 1.0}))
+    assert f"unknown field actor_lr in {flat}" in parse_error(capsys, "rl", ["--config", str(flat)])
