@@ -1,0 +1,92 @@
+"""Shared fixtures: a local S3 endpoint (moto server) and artifact roots on both backends."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+MOTO_BUCKET = "rlhf-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_answers(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return  # any HTTP answer means the server is up
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {proc.returncode}: {log_path.read_text()}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto_server did not answer on {url} within {timeout_s:.0f}s; log: {log_path}")
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory) -> Iterator[str]:
+    """A moto S3 server on a free port with bucket MOTO_BUCKET; yields its endpoint URL.
+
+    Dummy AWS credentials are set for the session; the endpoint variables only inside tests using s3_root,
+    so other tests' own S3 endpoints are not redirected here.
+    """
+    import s3fs
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_until_answers(url, proc, log_path)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            for var in ("AWS_SESSION_TOKEN", "AWS_PROFILE"):
+                mp.delenv(var, raising=False)
+            fs = s3fs.S3FileSystem(endpoint_url=url, key="testing", secret="testing", skip_instance_cache=True)
+            fs.mkdir(MOTO_BUCKET)
+            yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def s3_root(moto_s3, monkeypatch) -> str:
+    """A fresh s3://MOTO_BUCKET/<unique prefix>; AWS_ENDPOINT_URL(_S3) point at moto during the test."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_s3)
+    return f"s3://{MOTO_BUCKET}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_root(request, tmp_path) -> str:
+    """An empty artifact root: a local temp folder, then an s3:// prefix on the moto server."""
+    if request.param == "file":
+        return str(tmp_path / "artifacts")
+    return request.getfixturevalue("s3_root")

@@ -1,0 +1,274 @@
+"""Artifact store: every store test runs on a local folder and on a moto S3 endpoint (see conftest.store_root)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from infra.artifacts import (
+    MANIFEST_NAME,
+    PAUSE_ENV,
+    ArtifactError,
+    ArtifactStore,
+    ChecksumError,
+    config_hash,
+    open_store,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A writer in its own interpreter: prints "ready", waits for the go file (if any), commits, prints the version.
+WRITER = """
+import json, os, sys, time
+from infra.artifacts import open_store
+root, stage, source, tag, go_file = sys.argv[1:]
+store = open_store(root, "pipe")
+print("ready", flush=True)
+while go_file and not os.path.exists(go_file):
+    time.sleep(0.005)
+manifest = store.commit(stage, source, config={"writer": tag}, metrics={"writer": tag})
+print("committed", manifest.version, flush=True)
+"""
+
+
+def make_source(path: Path, tag: str, n_files: int = 3, size: int = 1000) -> Path:
+    """A model-like folder whose content depends on ``tag``."""
+    (path / "tokenizer").mkdir(parents=True)
+    for i in range(n_files):
+        (path / f"weights-{i}.bin").write_bytes(hashlib.sha256(f"{tag}-{i}".encode()).digest() * (size // 32))
+    (path / "tokenizer" / "vocab.json").write_text(json.dumps({"tag": tag}))
+    (path / "metrics.json").write_text(json.dumps({"loss": 0.25, "steps": 7}))
+    return path
+
+
+def tree_bytes(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def start_writer(root: str, stage: str, source: Path, tag: str, log_dir: Path, go_file: str = "", env=None):
+    out = (log_dir / f"{tag}.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, root, stage, str(source), tag, go_file],
+        cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+    )
+    return proc, log_dir / f"{tag}.log"
+
+
+def wait_for_line(log: Path, marker: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while marker not in log.read_text():
+        if proc.poll() is not None:
+            raise AssertionError(f"writer exited with {proc.returncode} before {marker!r}: {log.read_text()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {marker!r} from writer within {timeout_s}s: {log.read_text()}")
+        time.sleep(0.02)
+
+
+def test_commit_get_and_manifest_fields(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    source = make_source(tmp_path / "src", "a")
+    config = {"learning_rate": 1e-5, "zero_stage": 2, "nested": {"b": [1, 2]}}
+
+    first = store.commit("sft", source, config=config, code_version="abc123", stage_key="key-1")
+
+    assert (first.pipeline, first.stage, first.version, first.stage_key) == ("pipe", "sft", 1, "key-1")
+    assert first.uri.endswith("/pipe/sft/v0001") and first.uri.split("://")[0] in ("file", "s3")
+    assert datetime.fromisoformat(first.created_at).tzinfo is not None
+    assert first.config == config and first.config_hash == config_hash(config)
+    assert first.code_version == "abc123" and first.inputs == {}
+    assert first.metrics == {"loss": 0.25, "steps": 7}  # read from the source's metrics.json
+    expected = tree_bytes(source)
+    assert set(first.files) == set(expected)
+    for rel, data in expected.items():
+        assert first.files[rel].size == len(data)
+        assert first.files[rel].sha256 == hashlib.sha256(data).hexdigest()
+
+    second = store.commit("sft", source, config=config, inputs={"base": first.input_ref()}, metrics={"acc": 0.5})
+    assert second.version == 2 and second.digest == first.digest  # digest identifies content, not version
+    assert second.metrics == {"acc": 0.5} and second.inputs["base"].uri == first.uri
+
+    assert store.versions("sft") == [1, 2]
+    assert store.get("sft") == second
+    assert store.get("sft", 1) == first and store.get("sft", "v0001") == first
+    assert store.find_by_stage_key("sft", "key-1") == first
+    assert store.find_by_stage_key("sft", "missing") is None
+
+    downloaded = store.download(first, tmp_path / "dl")
+    assert tree_bytes(downloaded) == expected
+    store.verify(second)
+
+    stored = json.loads(store.fs.cat_file(f"{store.fs._strip_protocol(first.uri)}/{MANIFEST_NAME}"))
+    assert stored["config_hash"] == first.config_hash and stored["files"]["tokenizer/vocab.json"]["size"] > 0
+
+
+def test_bad_refs_and_sources_are_errors_naming_them(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    with pytest.raises(ArtifactError, match="latest"):
+        store.get("sft")
+    store.commit("sft", make_source(tmp_path / "src", "a"), config={})
+    with pytest.raises(ArtifactError, match="production"):
+        store.get("sft", "production")
+    with pytest.raises(ArtifactError, match="sft/v0007"):
+        store.get("sft", 7)
+    with pytest.raises(ArtifactError, match="not a directory"):
+        store.commit("sft", tmp_path / "nowhere", config={})
+    with pytest.raises(ArtifactError, match="metrics.nested"):
+        store.commit("sft", tmp_path / "src", config={}, metrics={"nested": {"a": 1}})
+    assert store.versions("sft") == [1]
+
+
+def test_aliases(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    for tag in "abc":
+        store.commit("rl", make_source(tmp_path / tag, tag), config={"tag": tag})
+
+    assert store.aliases("rl") == {"latest": 3}
+    store.set_alias("rl", "production", 2)
+    assert store.get("rl", "production").version == 2
+    store.set_alias("rl", "production", 1)  # moving an alias replaces its pointer file
+    assert store.get("rl", "production").version == 1
+    store.set_alias("rl", "latest", 2)  # an explicit latest overrides the derived one
+    assert store.get("rl").version == 2
+    assert store.aliases("rl") == {"latest": 2, "production": 1}
+    with pytest.raises(ArtifactError, match="not a committed version"):
+        store.set_alias("rl", "production", 9)
+    with pytest.raises(ArtifactError, match="reads as a version"):
+        store.set_alias("rl", "v2", 2)
+
+
+def test_lineage_and_listing(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    sft = store.commit("sft", make_source(tmp_path / "sft", "sft"), config={})
+    rm = store.commit("reward_model", make_source(tmp_path / "rm", "rm"), config={},
+                      inputs={"base": sft.input_ref()})
+    rl = store.commit("rl", make_source(tmp_path / "rl", "rl"), config={},
+                      inputs={"actor": sft.input_ref(), "reward": rm.input_ref()})
+    store.set_alias("rl", "production", rl.version)
+
+    assert [m.uri for m in store.lineage("rl")] == [rl.uri, sft.uri, rm.uri]  # sft appears once
+
+    table = store.listing().splitlines()
+    assert table[0].split() == ["stage", "version", "aliases", "created", "digest", "inputs"]
+    rl_row = next(line for line in table if line.startswith("rl "))
+    assert "latest,production" in rl_row and rl.digest[:12] in rl_row
+    assert "actor=sft/v0001, reward=reward_model/v0001" in rl_row
+    assert len(table) == 4
+
+
+def test_lineage_detects_a_replaced_input(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    sft = store.commit("sft", make_source(tmp_path / "sft", "sft"), config={})
+    forged = sft.input_ref().model_copy(update={"digest": "0" * 64})
+    store.commit("reward_model", make_source(tmp_path / "rm", "rm"), config={}, inputs={"base": forged})
+    with pytest.raises(ArtifactError, match="input 'base'"):
+        store.lineage("reward_model")
+
+
+def test_corrupted_file_is_named(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    manifest = store.commit("sft", make_source(tmp_path / "src", "a"), config={})
+    stored = f"{store.fs._strip_protocol(manifest.uri)}/weights-1.bin"
+    data = bytearray(store.fs.cat_file(stored))
+    data[10] ^= 0xFF  # same size, one byte flipped
+    store.fs.pipe_file(stored, bytes(data))
+
+    with pytest.raises(ChecksumError, match=r"v0001/weights-1\.bin"):
+        store.verify(manifest)
+    with pytest.raises(ChecksumError, match=r"weights-1\.bin"):
+        store.download(manifest, tmp_path / "dl")
+    store.download(manifest, tmp_path / "unchecked", verify=False)
+
+    store.fs.rm(stored)
+    with pytest.raises(ChecksumError, match=r"weights-1\.bin: missing"):
+        store.verify(manifest)
+
+
+def test_versions_are_never_overwritten(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    source_a = make_source(tmp_path / "a", "a")
+    first = store.commit("sft", source_a, config={})
+    store.commit("sft", make_source(tmp_path / "b", "b"), config={})
+    assert tree_bytes(store.download(store.get("sft", 1), tmp_path / "dl1")) == tree_bytes(source_a)
+    assert store.get("sft", 1) == first
+
+    # The claim is an exclusive create on both backends (O_EXCL / If-None-Match: *).
+    stage = store.fs._strip_protocol(first.uri).rsplit("/", 1)[0]
+    with pytest.raises(FileExistsError):
+        with store.fs.open(f"{stage}/_claims/v0001.json", "xb") as f:
+            f.write(b"{}")
+
+    # A writer that died after claiming v0003: the half-written version stays invisible and is skipped.
+    store.fs.pipe_file(f"{stage}/_claims/v0003.json", b"{}")
+    store.fs.pipe_file(f"{stage}/v0003/weights-0.bin", b"partial")
+    assert store.versions("sft") == [1, 2]
+    with pytest.raises(ArtifactError, match="not a committed version"):
+        store.get("sft", 3)
+    assert store.commit("sft", make_source(tmp_path / "c", "c"), config={}).version == 4
+    assert store.fs.cat_file(f"{stage}/v0003/weights-0.bin") == b"partial"
+    assert store.versions("sft") == [1, 2, 4] and store.get("sft").version == 4
+
+    # Even with the claim records gone, version folders are never written into again.
+    store.fs.rm(f"{stage}/_claims", recursive=True)
+    assert store.commit("sft", make_source(tmp_path / "d", "d"), config={}).version == 5
+    assert tree_bytes(store.download(store.get("sft", 1), tmp_path / "dl1-again")) == tree_bytes(source_a)
+
+
+def test_concurrent_writers_get_distinct_versions(store_root, tmp_path):
+    tags = [f"w{i}" for i in range(4)]
+    go_file = tmp_path / "go"
+    writers = {}
+    for tag in tags:
+        source = make_source(tmp_path / tag, tag, n_files=4, size=64 * 1024)
+        writers[tag] = (*start_writer(store_root, "sft", source, tag, tmp_path, str(go_file)), source)
+    for proc, log, _ in writers.values():
+        wait_for_line(log, "ready", proc)
+    go_file.touch()  # release all writers at once
+    for proc, log, _ in writers.values():
+        assert proc.wait(timeout=60) == 0, log.read_text()
+
+    store = open_store(store_root, "pipe")
+    assert store.versions("sft") == [1, 2, 3, 4]
+    by_writer = {store.get("sft", v).config["writer"]: v for v in store.versions("sft")}
+    assert sorted(by_writer) == tags
+    for tag, version in by_writer.items():
+        manifest = store.get("sft", version)
+        store.verify(manifest)
+        assert tree_bytes(store.download(manifest, tmp_path / f"dl-{tag}")) == tree_bytes(writers[tag][2])
+
+
+@pytest.mark.parametrize(("pause_at", "next_version"), [("upload:2", 2), ("move:2", 3)],
+                         ids=["mid-upload", "after-claim"])
+def test_killed_writer_leaves_no_version(store_root, tmp_path, pause_at, next_version):
+    store = open_store(store_root, "pipe")
+    store.commit("sft", make_source(tmp_path / "first", "first"), config={})
+    big = make_source(tmp_path / "big", "big", n_files=6, size=512 * 1024)
+    proc, log = start_writer(store_root, "sft", big, "killed", tmp_path, env={PAUSE_ENV: pause_at})
+    try:
+        wait_for_line(log, f"paused at {pause_at}", proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    assert store.versions("sft") == [1]
+    assert store.get("sft").version == 1
+    retry = store.commit("sft", big, config={})
+    assert retry.version == next_version  # a claimed number is never reused
+    assert store.versions("sft") == [1, next_version]
+    store.verify(retry)
+
+
+def test_plain_path_and_file_uri_are_the_same_store(tmp_path):
+    source = make_source(tmp_path / "src", "a")
+    ArtifactStore(str(tmp_path / "root"), "pipe").commit("sft", source, config={})
+    via_uri = ArtifactStore((tmp_path / "root").as_uri(), "pipe")
+    assert via_uri.versions("sft") == [1]
+    assert via_uri.get("sft").uri == f"{(tmp_path / 'root').as_uri()}/pipe/sft/v0001"
