@@ -1,0 +1,163 @@
+"""Ray actor groups: N rank processes placed with a placement group, each a torch.distributed rank.
+
+A stage's driver (`python -m stages.<name>`, itself a Ray job) builds one `ActorGroup` per model role
+(actor, reference, reward, critic). Every rank actor sets the usual torch.distributed environment
+(RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK) before DeepSpeed initialises, so the same worker code also
+runs under `deepspeed --module stages.<name>` or torchrun without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def resolve_device(device: str) -> str:
+    """'auto' means CUDA when this process sees a GPU, else CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_rank_env() -> dict[str, str]:
+    """Environment every CPU rank needs: one thread per rank (two ranks on two cores run 2x slower otherwise)."""
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class RankWorker:
+    """Base class of every rank actor: sets up the process as one torch.distributed rank."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            # Ray gives each GPU rank its own CUDA_VISIBLE_DEVICES, so the local device is always 0.
+            LOCAL_RANK="0",
+            LOCAL_SIZE="1",
+        )
+        if device == "cpu":
+            os.environ.update(cpu_rank_env())
+            import torch
+
+            torch.set_num_threads(1)
+
+    def init_process_group(self) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
+
+    def ping(self) -> int:
+        return self.rank
+
+
+def node_address() -> str:
+    return ray.util.get_node_ip_address()
+
+
+@dataclass
+class Placement:
+    """Where a group's ranks go: a placement group and the fraction of a bundle each rank takes."""
+
+    group: PlacementGroup
+    num_cpus: float
+    num_gpus: float
+    owned: bool = False
+
+
+def make_placement(num_ranks: int, device: str, *, num_cpus: float = 1.0, num_gpus: float = 1.0) -> Placement:
+    """A placement group with one bundle per rank (CPU: one core; GPU: one GPU plus a core), packed on few nodes."""
+    bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
+    group = placement_group([dict(bundle) for _ in range(num_ranks)], strategy="PACK")
+    ray.get(group.ready())
+    return Placement(group, num_cpus=num_cpus, num_gpus=num_gpus if device == "cuda" else 0.0, owned=True)
+
+
+class ActorGroup:
+    """`num_ranks` instances of a RankWorker subclass, rank i on bundle i; calls are dispatched to all ranks."""
+
+    def __init__(self, worker_cls: type, num_ranks: int, device: str, *, placement: Placement | None = None,
+                 env: dict[str, str] | None = None, name: str = "group"):
+        self.name = name
+        self.placement = placement or make_placement(num_ranks, device)
+        env_vars = dict(env or {})
+        if device == "cpu":
+            env_vars.update(cpu_rank_env())
+        # Ray must not narrow CUDA_VISIBLE_DEVICES for colocated roles sharing one GPU via fractions.
+        remote_cls = ray.remote(worker_cls)
+        master_addr, master_port = node_address(), free_port()
+        self.actors = []
+        for rank in range(num_ranks):
+            options = dict(
+                num_cpus=self.placement.num_cpus,
+                num_gpus=self.placement.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement.group, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": env_vars},
+                name=None,
+            )
+            self.actors.append(
+                remote_cls.options(**options).remote(rank, num_ranks, master_addr, master_port, device)
+            )
+        ray.get([actor.ping.remote() for actor in self.actors])
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every rank with the same arguments and wait for all results (rank order)."""
+        return ray.get(self.run_async(method, *args, **kwargs))
+
+    def run_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+
+    def run_sharded(self, method: str, shards: list[Any], **kwargs: Any) -> list[Any]:
+        """Call `method` on rank i with shards[i]."""
+        assert len(shards) == self.world_size, f"{self.name}: {len(shards)} shards for {self.world_size} ranks"
+        return ray.get([getattr(a, method).remote(s, **kwargs) for a, s in zip(self.actors, shards)])
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        if self.placement.owned:
+            remove_placement_group(self.placement.group)
+
+
+def init_ray() -> None:
+    """Join the cluster this job runs in (RAY_ADDRESS is set by the Jobs API), or start a private local one."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
+
+
+def launched_by_torch_launcher() -> bool:
+    """True under `deepspeed --module` / torchrun: the launcher already made this process a rank."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "RAY_JOB_ID" not in os.environ

@@ -1,0 +1,199 @@
+"""DeepSpeed plumbing shared by the training stages: engine creation, checkpoints, HF export, step schedules.
+
+Kept apart from the math (stages/algorithms.py) and from Ray (stages/distributed.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch_size: int,
+                     zero_stage: int | None = None, train: bool = True) -> dict:
+    """The DeepSpeed config for one model role. `train_batch_size` counts samples per optimizer step."""
+    stage = cfg.zero_stage if zero_stage is None else zero_stage
+    zero: dict[str, Any] = {"stage": stage}
+    if train and getattr(cfg, "adam_offload", False):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    accumulation = train_batch_size // (micro_batch_size * world_size)
+    if accumulation < 1 or accumulation * micro_batch_size * world_size != train_batch_size:
+        raise ValueError(
+            f"train_batch_size={train_batch_size} must be a multiple of micro_train_batch_size={micro_batch_size}"
+            f" x {world_size} ranks"
+        )
+    return {
+        "train_batch_size": train_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": cfg.max_norm if train else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(cfg.bf16)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def load_for_zero(load_fn, ds_config: dict):
+    """Load a HF model so that ZeRO-3 partitions it while loading (HfDeepSpeedConfig must be alive then)."""
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return load_fn()
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_ds_config = HfDeepSpeedConfig(ds_config)
+    try:
+        return load_fn()
+    finally:
+        # A live HfDeepSpeedConfig makes later single-rank loads hang: drop it right away.
+        del hf_ds_config
+
+
+def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning_rate: float, total_steps: int):
+    """A DeepSpeed engine with AdamW (CPU Adam when the optimizer is offloaded) and the configured LR schedule."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    betas = tuple(cfg.adam_betas)
+    if getattr(cfg, "adam_offload", False):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(params, lr=learning_rate, betas=betas, weight_decay=cfg.l2)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=betas, weight_decay=cfg.l2)
+    scheduler = get_scheduler(
+        cfg.lr_scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.lr_warmup_ratio * total_steps),
+        num_training_steps=max(total_steps, 1),
+        # As OpenRLHF: the cosine schedule decays to a tenth of the peak rate.
+        scheduler_specific_kwargs={"min_lr": learning_rate * 0.1} if cfg.lr_scheduler == "cosine_with_min_lr" else None,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine
+
+
+def build_inference_engine(model: torch.nn.Module, ds_config: dict, device: str):
+    """A frozen model (reference, reward) wrapped by DeepSpeed only for ZeRO-3 sharding; plain module otherwise."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return model.to(device)
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+def global_loss_scale(engine) -> float:
+    """Factor that turns a per-micro-batch `sum / step_tokens` into a global token mean after DeepSpeed divides
+    by gradient accumulation steps and averages gradients over data-parallel ranks."""
+    return float(engine.gradient_accumulation_steps() * engine.world_size)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def latest_checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
+    """Step of the newest complete checkpoint under ckpt_dir (0 when there is none)."""
+    marker = Path(ckpt_dir) / "latest_step.json"
+    if not marker.exists():
+        return 0
+    return int(json.loads(marker.read_text())["step"])
+
+
+def save_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, max_keep: int) -> None:
+    """Save engine (model, optimizer, scheduler) plus client state on every rank; mark it complete last."""
+    ckpt_dir = Path(ckpt_dir)
+    tag = f"step{step:08d}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
+    torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = ckpt_dir / "latest_step.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "tag": tag}))
+        os.replace(tmp, ckpt_dir / "latest_step.json")
+        old = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name != tag)
+        for path in old[: max(0, len(old) - (max_keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(engine, ckpt_dir: str | os.PathLike) -> tuple[int, dict]:
+    """Restore the newest checkpoint; returns (step, client_state) or (0, {}) when there is none."""
+    step = latest_checkpoint_step(ckpt_dir)
+    if step == 0:
+        return 0, {}
+    tag = f"step{step:08d}"
+    _, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    set_rng_state(torch.load(Path(ckpt_dir) / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    return step, client_state or {}
+
+
+def gathered_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) weights as CPU tensors, on every rank; ZeRO-3 parameters are gathered first."""
+    module = getattr(engine_or_model, "module", engine_or_model)
+    params = list(module.parameters())
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    if zero3:
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    else:
+        context = nullcontext()
+    with context:
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
+
+
+def export_hf(engine_or_model, tokenizer, out_dir: str | os.PathLike, extra_config: dict | None = None) -> None:
+    """Write the model in HF format (safetensors + tokenizer) from rank 0; all ranks must call (ZeRO-3 gather)."""
+    state = gathered_state_dict(engine_or_model)
+    if dist.get_rank() == 0:
+        from stages.model_io import save_hf
+
+        save_hf(getattr(engine_or_model, "module", engine_or_model), tokenizer, out_dir, extra_config, state)
+    dist.barrier()
+
+
+def write_metrics(save_path: str | os.PathLike, metrics: dict) -> None:
+    path = Path(save_path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    os.replace(tmp, path / "metrics.json")
+
+
+def fault_injection_requested(stage: str) -> bool:
+    """Test-only switch: RLHF_FAULT_INJECT=<stage>:after_checkpoint crashes a stage after its first checkpoint."""
+    return os.environ.get("RLHF_FAULT_INJECT", "") == f"{stage}:after_checkpoint"
