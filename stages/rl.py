@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -57,7 +58,7 @@ class PolicyWorker(RankWorker):
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
-        return sequence_log_probs(self.engine, batch, self.cfg.micro_train_batch_size)
+        return sequence_log_probs(self.engine, batch, self.cfg.micro_train_batch_size, self.cfg.temperature)
 
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
         """One optimizer step over this rank's share of the step's samples (micro-batches accumulate)."""
@@ -71,7 +72,8 @@ class PolicyWorker(RankWorker):
         for start in range(0, num_samples, cfg.micro_train_batch_size):
             micro = {k: v[start : start + cfg.micro_train_batch_size].to(device) for k, v in shard.items()}
             mask = micro["action_mask"]
-            logits = self.engine(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, :-1]
+            logits = self.engine(input_ids=micro["input_ids"],
+                                 attention_mask=micro["attention_mask"]).logits[:, :-1] / cfg.temperature
             logp = algo.token_log_probs(logits, micro["input_ids"][:, 1:])
             loss_t, clipped = algo.policy_loss(logp, micro["old_logp"], micro["advantages"], eps_low, eps_high,
                                                cfg.dual_clip)
@@ -124,7 +126,7 @@ class ReferenceWorker(RankWorker):
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sequence_log_probs(self.model, batch, self.cfg.micro_train_batch_size)
+        return sequence_log_probs(self.model, batch, self.cfg.micro_train_batch_size, self.cfg.temperature)
 
 
 class RewardModelWorker(RankWorker):
@@ -156,13 +158,15 @@ class RewardModelWorker(RankWorker):
         return reward
 
 
-def sequence_log_probs(model, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+def sequence_log_probs(model, batch: dict[str, torch.Tensor], micro_batch_size: int,
+                      temperature: float) -> torch.Tensor:
+    """Log-probs of the sampling distribution (logits / temperature), as the rollout engines sampled from."""
     device = next(model.parameters()).device
     out = []
     for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
         ids = batch["input_ids"][start : start + micro_batch_size].to(device)
         mask = batch["attention_mask"][start : start + micro_batch_size].to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1] / temperature
         out.append(algo.token_log_probs(logits, ids[:, 1:]).cpu())
     return torch.cat(out)
 
@@ -244,12 +248,35 @@ class Roles:
                 group.shutdown()
 
 
-def generate(engines, prompts: list[str], cfg, seed: int) -> list:
+def generate(engines, prompts: list[str], cfg, seed: int, *, n: int, temperature: float) -> list:
     per_engine = chunks(prompts, math.ceil(len(prompts) / len(engines)))
-    refs = [engine.generate.remote(part, n=cfg.n_samples_per_prompt, max_new_tokens=cfg.generate_max_len,
-                                   temperature=cfg.temperature, top_p=cfg.top_p, seed=seed + i)
+    refs = [engine.generate.remote(part, n=n, max_new_tokens=cfg.generate_max_len, temperature=temperature,
+                                   top_p=cfg.top_p, seed=seed + i)
             for i, (engine, part) in enumerate(zip(engines, per_engine))]
     return [rollout for part in ray.get(refs) for rollout in part]
+
+
+@dataclass
+class Scorer:
+    """Scalar rewards of rollouts: a rule/HTTP reward function, or the reward model group."""
+
+    reward_fn: Callable | None
+    reward_group: ActorGroup | None
+    pad_token_id: int
+
+    def __call__(self, rollouts: list, prompts: list[str], labels: list[str]) -> torch.Tensor:
+        if self.reward_fn is not None:
+            queries = [p + r.response_text for p, r in zip(prompts, rollouts)]
+            return torch.as_tensor(self.reward_fn(queries, prompts, labels), dtype=torch.float32)
+        batch = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
+                                self.pad_token_id)
+        return torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
+
+
+def evaluate_greedy(cfg, roles: Roles, eval_prompts: list[dict], scorer: Scorer) -> float:
+    """Mean reward of greedy answers to the held-out prompts (task accuracy with a 0/1 rule reward)."""
+    rollouts = generate(roles.engines, [p["prompt"] for p in eval_prompts], cfg, seed=cfg.seed, n=1, temperature=0.0)
+    return float(scorer(rollouts, [p["prompt"] for p in eval_prompts], [p["label"] for p in eval_prompts]).mean())
 
 
 def push_weights(roles: Roles) -> None:
@@ -275,6 +302,13 @@ def run(cfg) -> dict[str, Any]:
     prompts = data.build_prompt_examples(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
                                          apply_chat_template=cfg.apply_chat_template,
                                          prompt_max_len=cfg.prompt_max_len)
+    eval_prompts = []
+    if cfg.eval_dataset:
+        eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
+        data.validate_prompts(eval_rows, cfg.eval_dataset, cfg.input_key, cfg.label_key)
+        eval_prompts = data.build_prompt_examples(eval_rows, tokenizer, input_key=cfg.input_key,
+                                                  label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
+                                                  prompt_max_len=cfg.prompt_max_len)
     steps_per_episode = len(prompts) // cfg.rollout_batch_size
     if steps_per_episode == 0:
         raise StageInputError(f"--prompt_data {cfg.prompt_data} has {len(prompts)} prompts, fewer than"
@@ -294,13 +328,14 @@ def run(cfg) -> dict[str, Any]:
         if roles.reward:
             setups += roles.reward.run_async("setup", cfg_dict, RLConfig)
         ray.get(setups)
-        return train(cfg, roles, prompts, tokenizer, reward_fn, total_steps, steps_per_episode)
+        scorer = Scorer(reward_fn, roles.reward, tokenizer.pad_token_id)
+        return train(cfg, roles, prompts, eval_prompts, tokenizer, scorer, total_steps, steps_per_episode)
     finally:
         roles.shutdown()
 
 
-def train(cfg, roles: Roles, prompts: list[dict], tokenizer, reward_fn, total_steps: int,
-          steps_per_episode: int) -> dict[str, Any]:
+def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], tokenizer, scorer: Scorer,
+          total_steps: int, steps_per_episode: int) -> dict[str, Any]:
     from stages.engine import fault_injection_requested
 
     start_step, client_state = roles.actor.run("load_checkpoint")[0] if cfg.ckpt_path else (0, {})
@@ -312,17 +347,23 @@ def train(cfg, roles: Roles, prompts: list[dict], tokenizer, reward_fn, total_st
         print(f"[rl] resumed from the checkpoint of step {start_step}", flush=True)
         push_weights(roles)
     started = time.time()
+    eval_initial = client_state.get("eval_reward_initial")
+    if eval_prompts and eval_initial is None:
+        eval_initial = evaluate_greedy(cfg, roles, eval_prompts, scorer)
+        print(f"[rl] eval_reward={eval_initial:.4f} before training", flush=True)
     for step in range(start_step, total_steps):
         episode, index = divmod(step, steps_per_episode)
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed * 7919 + episode))
         batch = [prompts[i] for i in order[index * cfg.rollout_batch_size : (index + 1) * cfg.rollout_batch_size]]
-        record = rl_step(cfg, roles, batch, tokenizer, reward_fn, kl_ctl, step)
+        record = rl_step(cfg, roles, batch, tokenizer, scorer, kl_ctl, step)
+        if eval_prompts and cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0:
+            record["eval_reward"] = evaluate_greedy(cfg, roles, eval_prompts, scorer)
         history.append(record)
         if (step + 1) % max(cfg.logging_steps, 1) == 0:
             print("[rl] " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                      for k, v in record.items()), flush=True)
         if cfg.ckpt_path and cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-            state = {"history": history, "kl_coef": kl_ctl.value}
+            state = {"history": history, "kl_coef": kl_ctl.value, "eval_reward_initial": eval_initial}
             roles.actor.run("save_checkpoint", step + 1, state, cfg.max_ckpt_num)
             if fault_injection_requested("rl") and start_step == 0:
                 return {"fault_injected": True, "step": step + 1}
@@ -336,24 +377,24 @@ def train(cfg, roles: Roles, prompts: list[dict], tokenizer, reward_fn, total_st
             "kl_last": history[-1]["kl"],
             "response_length_last": history[-1]["response_length"],
         })
+    if eval_prompts:
+        metrics["eval_reward_initial"] = eval_initial
+        metrics["eval_reward"] = evaluate_greedy(cfg, roles, eval_prompts, scorer)
     ds.write_metrics(cfg.save_path, metrics)
     (Path(cfg.save_path) / "history.json").write_text(json.dumps(history, indent=1))
     return {"metrics": metrics, "history": history}
 
 
-def rl_step(cfg, roles: Roles, batch: list[dict], tokenizer, reward_fn, kl_ctl, step: int) -> dict[str, Any]:
+def rl_step(cfg, roles: Roles, batch: list[dict], tokenizer, scorer: Scorer, kl_ctl, step: int) -> dict[str, Any]:
     n = cfg.n_samples_per_prompt
-    rollouts = generate(roles.engines, [p["prompt"] for p in batch], cfg, seed=cfg.seed * 100_003 + step * 101)
+    rollouts = generate(roles.engines, [p["prompt"] for p in batch], cfg, seed=cfg.seed * 100_003 + step * 101,
+                        n=n, temperature=cfg.temperature)
     prompt_ids = [r.prompt_ids for r in rollouts]
     response_ids = [list(r.response_ids) for r in rollouts]
     prompt_texts = [batch[i // n]["prompt"] for i in range(len(rollouts))]
     labels = [batch[i // n]["label"] for i in range(len(rollouts))]
-    queries = [p + r.response_text for p, r in zip(prompt_texts, rollouts)]
+    raw_reward = scorer(rollouts, prompt_texts, labels)
     experience = build_sequences(prompt_ids, response_ids, tokenizer.pad_token_id)
-    if reward_fn is not None:
-        raw_reward = torch.as_tensor(reward_fn(queries, prompt_texts, labels), dtype=torch.float32)
-    else:
-        raw_reward = torch.cat(roles.reward.run_sharded("score", split_rows(experience, roles.reward.world_size)))
     lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.float32)
     truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
     reward = shape_rewards(cfg, raw_reward, lengths, truncated)
