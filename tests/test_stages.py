@@ -132,6 +132,21 @@ def test_grpo_raises_reward_and_pushes_weights_to_the_engine(sft_model, assets, 
     assert max_weight_change(sft_model, out) > 1e-4
 
 
+def test_dpo_prefers_chosen_answers(sft_model, assets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "dpo"
+    run_stage("dpo", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset", assets["pref_eval"],
+              "--save_path", out, "--ckpt_path", tmp_path / "ckpt", "--num_gpus_per_node", 2)
+    metrics = metrics_of(out)
+    # Policy equals reference at the start: the loss is exactly log 2.
+    assert metrics["train_loss_first"] == pytest.approx(0.693147, abs=1e-5)
+    assert metrics["train_loss_last"] < 0.66 and metrics["eval_loss"] < 0.66, metrics
+    assert metrics["eval_accuracy"] >= 0.6, metrics
+    assert max_weight_change(sft_model, out) > 1e-4
+    AutoModelForCausalLM.from_pretrained(out)
+
+
 def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
     out = tmp_path / "report"
     run_stage("evaluate", "--pretrain", sft_model, "--ref_pretrain", sft_model, "--remote_rm_url",

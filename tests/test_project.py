@@ -1,0 +1,42 @@
+"""The project's promises to a newcomer: README's two commands, CI running the same, every stage's --help."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages.config import STAGE_CONFIGS
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRYPOINTS = ("sft", "reward_model", "dpo", "rl", "evaluate")
+
+
+def quick_start_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", quick_start, flags=re.S)]
+
+
+def test_readme_has_the_run_command_then_the_test_command():
+    run, test = quick_start_commands()
+    assert run.endswith("-m flows.run --preset tiny") and "\n" not in run
+    assert test.endswith("-m pytest") and "\n" not in test
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci_lines == [quick_start_commands()[1]]
+
+
+@pytest.mark.parametrize("stage", ENTRYPOINTS)
+def test_stage_help_lists_every_config_field(stage):
+    proc = subprocess.run([sys.executable, "-m", f"stages.{stage}", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in STAGE_CONFIGS[stage].model_fields:
+        assert f"--{name}" in proc.stdout, f"stages.{stage} --help does not list --{name}"
