@@ -15,7 +15,7 @@ from stages import algorithms as algo
 from stages import data
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, chunks
+from stages.trainer import StepTrainer, chunks, validate_sources
 
 
 def pair_batch(examples: list[dict], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +91,8 @@ class RewardModelWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    for source, split in ((cfg.dataset, cfg.dataset_split), (cfg.eval_dataset, cfg.eval_split)):
-        if source is None:
-            continue
-        rows = data.load_rows(source, split=split, max_samples=cfg.max_samples)
-        data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+    validate_sources(cfg, lambda rows, source: data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key,
+                                                                        cfg.rejected_key))
     return run_rank_group("reward_model", RewardModelWorker, cfg)
 
 

@@ -12,7 +12,7 @@ from stages import algorithms as algo
 from stages import data
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, chunks
+from stages.trainer import StepTrainer, chunks, validate_sources
 
 
 def causal_lm_batch(examples: list[dict], pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
@@ -72,11 +72,7 @@ class SFTWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    for source, split in ((cfg.dataset, cfg.dataset_split), (cfg.eval_dataset, cfg.eval_split)):
-        if source is None:
-            continue
-        rows = data.load_rows(source, split=split, max_samples=cfg.max_samples)
-        data.validate_sft(rows, source, cfg.input_key, cfg.output_key)
+    validate_sources(cfg, lambda rows, source: data.validate_sft(rows, source, cfg.input_key, cfg.output_key))
     return run_rank_group("sft", SFTWorker, cfg)
 
 

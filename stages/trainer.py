@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -136,3 +136,12 @@ class StepTrainer(RankWorker):
     @property
     def model_device(self) -> torch.device:
         return next(self.engine.module.parameters()).device
+
+
+def validate_sources(cfg, validate: Callable[[Any, str], None]) -> None:
+    """Load and validate --dataset and --eval_dataset in the driver, so bad data fails before any rank starts."""
+    from stages import data
+
+    for source, split in ((cfg.dataset, cfg.dataset_split), (cfg.eval_dataset, cfg.eval_split)):
+        if source is not None:
+            validate(data.load_rows(source, split=split, max_samples=cfg.max_samples), source)
