@@ -1,0 +1,20 @@
+"""What a full-rlhf run returns.
+
+Kept out of flows/full_rlhf.py on purpose: workers and `prefect flow-run retry` load that file by path, as a
+module named `full_rlhf`, and a persisted (pickled) result must name a class importable everywhere.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from tasks.promote import PromotionDecision
+from tasks.run_stage import StageResult
+
+
+class PipelineResult(BaseModel):
+    """What one run produced: the committed artifact of every stage and the promotion decision."""
+
+    artifact_root: str
+    stages: dict[str, StageResult]
+    promotion: PromotionDecision

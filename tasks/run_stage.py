@@ -1,0 +1,346 @@
+"""The Prefect task that runs one pipeline stage as a Ray job and commits its output as an artifact.
+
+One call: resolve the stage config (input artifact URIs go into its fields), derive the stage key, return the
+committed artifact if one with that key exists, else submit (or re-attach to) the Ray job
+`python -m stages.<stage> --config <workspace>/config.yaml --save_path <workspace>/output [--ckpt_path
+<workspace>/ckpt]`, stream its log into the Prefect log, watch it against a deadline, and commit `output/`.
+
+The workspace `<workspace_root>/<pipeline>/<stage>/<stage_key[:16]>/` depends only on the stage key, so
+every attempt of the same stage, in this flow run or a retried one, finds the checkpoints of the last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+import shutil
+import time
+from typing import Any
+
+import yaml
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.context import get_run_context
+from pydantic import BaseModel
+
+from infra.artifacts import InputRef, Manifest, open_store
+from infra.ray_cluster import RayClusterError, job_client
+from infra.settings import PROJECT_ROOT, Settings, get_settings
+
+# Input role (the key in `inputs`) -> config field that receives the input artifact's URI.
+INPUT_FIELDS = {
+    "base": "pretrain",  # reward_model starts from the SFT model
+    "actor": "pretrain",  # rl: the policy starts from the SFT model
+    "reward": "reward_pretrain",  # rl, evaluate: the reward model
+    "policy": "pretrain",  # evaluate: the trained policy
+    "reference": "ref_pretrain",  # evaluate: the SFT model it is compared with
+}
+# Config fields that the task sets itself and that must not change the stage key.
+WORKSPACE_FIELDS = ("save_path", "ckpt_path")
+# A stage exits with this code on a config or data error: retrying cannot help.
+CONFIG_ERROR_EXIT_CODE = 2
+TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
+# Ray colours the "(Worker pid=...)" prefixes of actor output; the Prefect log wants plain text.
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class StageResult(BaseModel):
+    """What a stage hands to the next one and to Prefect's result store: a reference, never weights."""
+
+    pipeline: str
+    stage: str
+    version: int
+    uri: str
+    digest: str
+    stage_key: str
+    metrics: dict[str, float | int | str]
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> StageResult:
+        return cls(
+            pipeline=manifest.pipeline,
+            stage=manifest.stage,
+            version=manifest.version,
+            uri=manifest.uri,
+            digest=manifest.digest,
+            stage_key=manifest.stage_key or "",
+            metrics=manifest.metrics,
+        )
+
+
+class StageError(RuntimeError):
+    """A stage job did not produce its output; `retryable` says whether another attempt can help."""
+
+    retryable = True
+
+
+class StageConfigError(StageError):
+    """The stage rejected its config or data (exit code 2): the same inputs fail the same way."""
+
+    retryable = False
+
+
+class StageStopped(StageError):
+    """The job was stopped from outside (dashboard, `ray job stop`): someone meant it."""
+
+    retryable = False
+
+
+class StageTimeout(StageError):
+    """The job passed its deadline and was stopped; a retry resumes from the last checkpoint."""
+
+
+def retry_only_fixable(task, task_run, state) -> bool:
+    """Prefect retry condition: retry infrastructure failures, never config/data errors."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, StageError) or error.retryable
+
+
+def code_version(*packages: str) -> str:
+    """sha256 over the Python sources of `packages` (dotted names under the project root); no git needed."""
+    digest = hashlib.sha256()
+    for package in sorted(packages):
+        package_dir = PROJECT_ROOT / package.replace(".", "/")
+        for path in sorted(package_dir.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            digest.update(str(path.relative_to(PROJECT_ROOT)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def stage_code_version(settings: Settings) -> str:
+    """The code a stage job runs: RLHF_CODE_VERSION, else a hash of its entrypoint package and infra/."""
+    return settings.code_version or code_version(settings.stage_module_prefix, "infra")
+
+
+def stage_key(pipeline: str, stage: str, config: dict, input_digests: dict[str, str], code: str) -> str:
+    """Identity of a stage's work: same key, same output. Input URIs are left out, their digests count."""
+    keyed_config = {k: v for k, v in config.items() if k not in WORKSPACE_FIELDS}
+    for role in input_digests:
+        keyed_config.pop(INPUT_FIELDS[role], None)
+    payload = json.dumps(
+        {"pipeline": pipeline, "stage": stage, "config": keyed_config, "inputs": input_digests, "code": code},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key: only lowercase letters, digits and dashes are allowed."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def resolve_config(stage: str, config: BaseModel | dict, inputs: dict[str, StageResult]) -> dict[str, Any]:
+    """The stage config as plain data, with each input artifact's URI in its field."""
+    resolved = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+    for role, result in inputs.items():
+        if role not in INPUT_FIELDS:
+            raise ValueError(f"stage {stage!r}: unknown input role {role!r}; known roles: {sorted(INPUT_FIELDS)}")
+        resolved[INPUT_FIELDS[role]] = result.uri
+    return resolved
+
+
+def _job_info(client, submission_id: str):
+    """The job's info, or None if no job with that submission id exists."""
+    try:
+        return client.get_job_info(submission_id)
+    except RuntimeError as err:
+        if "status code 404" in str(err):
+            return None
+        raise
+
+
+def _latest_attempt(client, key: str) -> tuple[int, Any]:
+    """(number, info) of the newest job attempt for this stage key; (0, None) when there is none."""
+    attempt, info = 0, None
+    while (next_info := _job_info(client, submission_id(key, attempt + 1))) is not None:
+        attempt, info = attempt + 1, next_info
+    return attempt, info
+
+
+def submission_id(key: str, attempt: int) -> str:
+    """Ray submission ids cannot be reused: one per (stage key, attempt)."""
+    return f"rlhf-{key[:16]}-{attempt}"
+
+
+class _LogForwarder:
+    """Copies the new part of a job's log into the Prefect log, whole lines only."""
+
+    def __init__(self, client, job_id: str, logger):
+        self.client, self.job_id, self.logger = client, job_id, logger
+        self.offset = 0
+        self.text = ""
+
+    def forward(self, final: bool = False) -> None:
+        self.text = ANSI_ESCAPE.sub("", self.client.get_job_logs(self.job_id))
+        new = self.text[self.offset :]
+        if not final:
+            new = new[: new.rfind("\n") + 1]
+        for line in new.splitlines():
+            self.logger.info(line)
+        self.offset += len(new)
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.text.splitlines()[-lines:])
+
+
+def _watch(client, job_id: str, deadline_s: float, poll_s: float, logger) -> tuple[Any, str]:
+    """Follow the job to a terminal state; returns (info, log tail). Stops the job on deadline or cancel."""
+    logs = _LogForwarder(client, job_id, logger)
+    started = time.monotonic()
+    try:
+        while True:
+            info = client.get_job_info(job_id)
+            logs.forward()
+            if info.status.value in TERMINAL_STATUSES:
+                logs.forward(final=True)
+                return info, logs.tail()
+            if time.monotonic() - started > deadline_s:
+                logger.error(f"job {job_id} passed its deadline of {deadline_s:.0f}s; stopping it")
+                client.stop_job(job_id)
+                raise StageTimeout(f"job {job_id} ran longer than {deadline_s:.0f}s and was stopped")
+            time.sleep(poll_s)
+    except StageTimeout:
+        raise
+    except BaseException:
+        # Cancellation, worker shutdown (SIGTERM becomes an exception here) or a lost connection:
+        # don't leave the job running unwatched.
+        logger.warning(f"stopping job {job_id}: its watcher is going away")
+        try:
+            client.stop_job(job_id)
+        except Exception as err:  # the cluster may be what went away
+            logger.warning(f"could not stop job {job_id}: {err}")
+        raise
+
+
+def _raise_for_failure(stage: str, job_id: str, info, log_tail: str) -> None:
+    status = info.status.value
+    if status == "STOPPED":
+        raise StageStopped(f"stage {stage}: job {job_id} was stopped from outside\n{log_tail}")
+    exit_code = info.driver_exit_code
+    if exit_code == CONFIG_ERROR_EXIT_CODE:
+        raise StageConfigError(f"stage {stage}: config or data error (job {job_id}, exit 2):\n{log_tail}")
+    # Ray's message repeats the log; its first line says what happened (node died, supervisor lost, ...).
+    reason = (info.message or "").split("\n", 1)[0] or (info.error_type.value if info.error_type else "unknown")
+    raise StageError(f"stage {stage}: job {job_id} failed, exit code {exit_code}: {reason}\n{log_tail}")
+
+
+def _publish(result: StageResult, logger) -> None:
+    """Prefect UI artifacts: a link to the committed version and a table of its metrics."""
+    create_link_artifact(
+        key=artifact_key(result.pipeline, result.stage),
+        link=result.uri,
+        link_text=f"{result.pipeline}/{result.stage} v{result.version}",
+        description=f"digest `{result.digest[:16]}`, stage key `{result.stage_key[:16]}`",
+    )
+    if result.metrics:
+        create_table_artifact(
+            key=artifact_key(result.pipeline, result.stage, "metrics"),
+            table=[{"metric": name, "value": value} for name, value in sorted(result.metrics.items())],
+            description=f"{result.stage} v{result.version} metrics",
+        )
+    logger.info(f"committed {result.stage} v{result.version} at {result.uri}")
+
+
+def _flow_run_id() -> str:
+    context = get_run_context()
+    task_run = getattr(context, "task_run", None)
+    return str(task_run.flow_run_id) if task_run and task_run.flow_run_id else ""
+
+
+@task(name="run-stage", task_run_name="{stage}", persist_result=True, retry_condition_fn=retry_only_fixable)
+def run_stage(
+    stage: str,
+    config: BaseModel | dict,
+    inputs: dict[str, StageResult] | None = None,
+    *,
+    pipeline: str,
+    artifact_root: str,
+    deadline_s: float | None = None,
+) -> StageResult:
+    """Run `stage` with `config` on `inputs` (role -> upstream result) as a Ray job; return its artifact."""
+    settings = get_settings()
+    logger = get_run_logger()
+    inputs = inputs or {}
+    resolved = resolve_config(stage, config, inputs)
+    code = stage_code_version(settings)
+    key = stage_key(pipeline, stage, resolved, {role: r.digest for role, r in inputs.items()}, code)
+    store = open_store(artifact_root, pipeline)
+
+    existing = store.find_by_stage_key(stage, key)
+    if existing is not None:
+        logger.info(f"{stage}: reusing committed v{existing.version} ({existing.uri}); stage key {key[:16]}")
+        return StageResult.from_manifest(existing)
+
+    workspace = settings.workspace_root / pipeline / stage / key[:16]
+    output_dir, ckpt_dir = workspace / "output", workspace / "ckpt"
+    resolved["save_path"] = str(output_dir)
+    checkpoints = "ckpt_path" in resolved  # evaluation has no checkpoints
+    if checkpoints:
+        resolved["ckpt_path"] = str(ckpt_dir)
+    config_path = workspace / "config.yaml"
+
+    if not settings.ray_address:
+        raise RayClusterError("no Ray cluster: set RLHF_RAY_ADDRESS (the full-rlhf flow sets it for a local head)")
+    client = job_client(settings.ray_address, settings)
+
+    attempt, info = _latest_attempt(client, key)
+    if info is not None and info.status.value not in TERMINAL_STATUSES:
+        job_id = submission_id(key, attempt)
+        logger.info(f"{stage}: re-attaching to job {job_id} ({info.status.value})")
+    elif info is not None and info.status.value == "SUCCEEDED" and (output_dir / "metrics.json").exists():
+        job_id = submission_id(key, attempt)
+        logger.info(f"{stage}: job {job_id} already succeeded; committing its output")
+    else:
+        job_id = submission_id(key, attempt + 1)
+        shutil.rmtree(output_dir, ignore_errors=True)  # a half-written output of a failed attempt
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if checkpoints:
+            ckpt_dir.mkdir(exist_ok=True)
+        config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        module = f"{settings.stage_module_prefix}.{stage}"
+        command = [settings.job_python, "-m", module, "--config", str(config_path), "--save_path", str(output_dir)]
+        entrypoint = shlex.join(command + (["--ckpt_path", str(ckpt_dir)] if checkpoints else []))
+        client.submit_job(
+            entrypoint=entrypoint,
+            submission_id=job_id,
+            runtime_env=settings.job_runtime_env(),
+            metadata={"pipeline": pipeline, "stage": stage, "stage_key": key, "attempt": str(attempt + 1),
+                      "flow_run_id": _flow_run_id()},
+        )  # fmt: skip
+        resumed = checkpoints and any(ckpt_dir.iterdir())
+        logger.info(f"{stage}: submitted job {job_id} ({entrypoint}){'; checkpoints present' if resumed else ''}")
+
+    info, log_tail = _watch(client, job_id, deadline_s or settings.stage_deadline_s, settings.poll_interval_s, logger)
+    if info.status.value != "SUCCEEDED":
+        _raise_for_failure(stage, job_id, info, log_tail)
+
+    # A concurrent run with the same stage key may have committed first: use its version.
+    existing = store.find_by_stage_key(stage, key)
+    if existing is not None:
+        return StageResult.from_manifest(existing)
+    manifest = store.commit(
+        stage,
+        output_dir,
+        config=resolved,
+        inputs={role: InputRef(uri=r.uri, digest=r.digest) for role, r in inputs.items()},
+        code_version=code,
+        stage_key=key,
+    )
+    result = StageResult.from_manifest(manifest)
+    _publish(result, logger)
+    return result
+
+
+def stage_task(settings: Settings | None = None):
+    """`run_stage` with retries and result storage taken from the current settings."""
+    settings = settings or get_settings()
+    return run_stage.with_options(
+        retries=settings.max_retries,
+        retry_delay_seconds=settings.retry_delay_s,
+        result_storage=settings.result_storage_block(),
+    )

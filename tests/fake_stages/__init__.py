@@ -1,0 +1,1 @@
+"""Stage entrypoints without ML, following the stage contract, for the orchestration tests."""

@@ -1,0 +1,49 @@
+"""A stage that keeps the stage contract without any ML: `python -m tests.fake_stages.toy --config cfg.yaml
+--save_path OUT --ckpt_path CKPT`.
+
+Config fields: value (int), pretrain (an input URI or null), sleep_s (seconds to run), config_error (bool:
+exit 2 naming the field). It checkpoints step 1, honours RLHF_FAULT_INJECT=toy:after_checkpoint (exit 3 after
+the first checkpoint, only when none existed at start) and writes result.json and metrics.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--save_path", required=True)
+    parser.add_argument("--ckpt_path", required=True)
+    args = parser.parse_args()
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    print(f"toy: starting with value={cfg['value']} pretrain={cfg.get('pretrain')}", flush=True)
+    if cfg.get("config_error"):
+        print(f"toy: error: {args.config}: field 'value' = {cfg['value']} is not allowed", file=sys.stderr)
+        sys.exit(2)
+
+    step_file = Path(args.ckpt_path) / "step"
+    resumed_from_step = int(step_file.read_text()) if step_file.exists() else 0
+    step_file.parent.mkdir(parents=True, exist_ok=True)
+    step_file.write_text("1")
+    print(f"toy: checkpoint step 1 written (resumed_from_step={resumed_from_step})", flush=True)
+    if os.environ.get("RLHF_FAULT_INJECT") == "toy:after_checkpoint" and resumed_from_step == 0:
+        print("toy: fault injected after checkpoint", file=sys.stderr, flush=True)
+        sys.exit(3)
+
+    time.sleep(float(cfg.get("sleep_s", 0)))
+    out = Path(args.save_path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps({"value": cfg["value"], "pretrain": cfg.get("pretrain")}))
+    (out / "metrics.json").write_text(json.dumps({"value": cfg["value"], "resumed_from_step": resumed_from_step}))
+    print("toy: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

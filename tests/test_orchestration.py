@@ -1,0 +1,225 @@
+"""run_stage mechanics against a real Prefect server and a real local Ray head, with a stage that does no ML
+(tests/fake_stages/toy.py): idempotence, retry classification, resume, log streaming, deadline, re-attach,
+Prefect artifacts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.testing.utilities import prefect_test_harness
+from pydantic import BaseModel
+
+from infra.artifacts import open_store
+from infra.ray_cluster import LocalRayHead, job_client
+from infra.settings import get_settings
+from tasks.promote import PromotionGate, promote
+from tasks.run_stage import (
+    StageConfigError,
+    StageResult,
+    StageTimeout,
+    resolve_config,
+    stage_code_version,
+    stage_key,
+    stage_task,
+    submission_id,
+)
+
+PIPELINE = "toy-pipe"
+
+
+class ToyConfig(BaseModel):
+    """Config of tests/fake_stages/toy.py; save_path and ckpt_path are filled by run_stage."""
+
+    value: int
+    pretrain: str | None = None
+    sleep_s: float = 0.0
+    config_error: bool = False
+    save_path: str = ""
+    ckpt_path: str = ""
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        # A loaded machine (other suites share its 2 cores) can take a while to start the server.
+        with prefect_test_harness(server_startup_timeout=180):
+            yield
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    with LocalRayHead(num_cpus=2, auth_mode="disabled") as head:
+        yield head.address
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch, prefect_server, ray_address):
+    """Settings for one test: fresh workspace and store, the toy stage package, fast polling."""
+    monkeypatch.setenv("RLHF_RAY_ADDRESS", ray_address)
+    monkeypatch.setenv("RLHF_RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RLHF_WORKSPACE_ROOT", str(tmp_path / "workspace"))
+    monkeypatch.setenv("RLHF_STAGE_MODULE_PREFIX", "tests.fake_stages")
+    monkeypatch.setenv("RLHF_POLL_INTERVAL_S", "0.3")
+    monkeypatch.setenv("RLHF_MAX_RETRIES", "1")
+    monkeypatch.setenv("RLHF_RETRY_DELAY_S", "0")
+    monkeypatch.delenv("RLHF_FAULT_INJECT", raising=False)
+    return {"root": str(tmp_path / "artifacts"), "client": job_client(ray_address)}
+
+
+@flow(name="toy-stage")
+def toy_flow(config: ToyConfig, inputs: dict | None = None, artifact_root: str = "", deadline_s: float | None = None):
+    return stage_task()(
+        "toy", config, inputs, pipeline=PIPELINE, artifact_root=artifact_root, deadline_s=deadline_s
+    )
+
+
+def run_toy(env, config: ToyConfig, inputs=None, deadline_s=None):
+    return toy_flow(config, inputs, env["root"], deadline_s, return_state=True)
+
+
+def attempts_of(env, config: ToyConfig, inputs=None) -> list[str]:
+    """Statuses of the Ray jobs submitted for this toy config, oldest first."""
+    settings = get_settings()
+    resolved = resolve_config("toy", config, inputs or {})
+    digests = {role: r.digest for role, r in (inputs or {}).items()}
+    key = stage_key(PIPELINE, "toy", resolved, digests, stage_code_version(settings))
+    statuses, attempt = [], 1
+    while True:
+        try:
+            statuses.append(env["client"].get_job_info(submission_id(key, attempt)).status.value)
+        except RuntimeError:
+            return statuses
+        attempt += 1
+
+
+def flow_run_logs(flow_run_id, must_contain: str, timeout_s: float = 15.0) -> str:
+    """All log messages of a flow run; waits until `must_contain` arrives (logs are shipped in batches)."""
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            text = "\n".join(log.message for log in logs)
+            if must_contain in text or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
+
+
+def test_stage_commits_artifact_streams_logs_and_publishes(env):
+    state = run_toy(env, ToyConfig(value=7))
+    result = state.result()
+    assert result.version == 1 and result.metrics == {"value": 7, "resumed_from_step": 0}
+    manifest = open_store(env["root"], PIPELINE).get("toy", result.version)
+    assert manifest.digest == result.digest and manifest.stage_key == result.stage_key
+    assert manifest.metrics["value"] == 7 and "result.json" in manifest.files
+    assert attempts_of(env, ToyConfig(value=7)) == ["SUCCEEDED"]
+
+    logs = flow_run_logs(state.state_details.flow_run_id, "toy: done")
+    assert "toy: starting with value=7" in logs and "toy: done" in logs
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["toy-pipe-toy", "toy-pipe-toy-metrics"]))
+        )
+    by_type = {a.type: a for a in artifacts}
+    assert result.uri in by_type["markdown"].data  # a link artifact is stored as markdown
+    assert "resumed_from_step" in str(by_type["table"].data)
+
+
+def test_rerun_is_idempotent_and_inputs_reach_config_fields(env):
+    first = run_toy(env, ToyConfig(value=1)).result()
+    again = run_toy(env, ToyConfig(value=1)).result()
+    assert again == first
+    assert attempts_of(env, ToyConfig(value=1)) == ["SUCCEEDED"]  # no second job
+
+    downstream = run_toy(env, ToyConfig(value=2), inputs={"base": first}).result()
+    manifest = open_store(env["root"], PIPELINE).get("toy", downstream.version)
+    assert manifest.config["pretrain"] == first.uri
+    assert manifest.inputs["base"].digest == first.digest
+
+
+def test_config_error_is_not_retried_and_names_the_field(env):
+    state = run_toy(env, ToyConfig(value=3, config_error=True))
+    assert state.is_failed()
+    with pytest.raises(StageConfigError, match="field 'value' = 3 is not allowed"):
+        state.result()
+    assert attempts_of(env, ToyConfig(value=3, config_error=True)) == ["FAILED"]
+
+
+def test_crash_is_retried_and_resumes_from_checkpoint(env, monkeypatch):
+    monkeypatch.setenv("RLHF_FAULT_INJECT", "toy:after_checkpoint")
+    result = run_toy(env, ToyConfig(value=4)).result()
+    assert result.metrics["resumed_from_step"] == 1
+    assert attempts_of(env, ToyConfig(value=4)) == ["FAILED", "SUCCEEDED"]
+
+
+def test_deadline_stops_the_job(env, monkeypatch):
+    monkeypatch.setenv("RLHF_MAX_RETRIES", "0")
+    config = ToyConfig(value=5, sleep_s=120)
+    started = time.monotonic()
+    state = run_toy(env, config, deadline_s=4)
+    assert state.is_failed() and time.monotonic() - started < 60
+    with pytest.raises(StageTimeout):
+        state.result()
+    deadline = time.monotonic() + 15
+    while attempts_of(env, config) != ["STOPPED"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert attempts_of(env, config) == ["STOPPED"]
+
+
+def test_running_attempt_is_reattached_not_duplicated(env):
+    """A job left running by a worker that went away is watched again, not submitted twice."""
+    config = ToyConfig(value=6, sleep_s=3)
+    settings = get_settings()
+    resolved = resolve_config("toy", config, {})
+    key = stage_key(PIPELINE, "toy", resolved, {}, stage_code_version(settings))
+    workspace = Path(settings.workspace_root) / PIPELINE / "toy" / key[:16]
+    (workspace / "output").mkdir(parents=True)
+    (workspace / "ckpt").mkdir()
+    config_path = workspace / "config.yaml"
+    config_path.write_text(yaml.safe_dump({**resolved, "save_path": str(workspace / "output")}))
+    env["client"].submit_job(
+        entrypoint=f"{settings.job_python} -m tests.fake_stages.toy --config {config_path} "
+        f"--save_path {workspace / 'output'} --ckpt_path {workspace / 'ckpt'}",
+        submission_id=submission_id(key, 1),
+        runtime_env=settings.job_runtime_env(),
+    )
+    result = run_toy(env, config).result()
+    assert result.metrics["value"] == 6
+    assert attempts_of(env, config) == ["SUCCEEDED"]
+
+
+
+@flow(name="toy-promote")
+def promote_flow(policy: StageResult, report: StageResult, gate: PromotionGate, artifact_root: str):
+    persisted = promote.with_options(result_storage=get_settings().result_storage_block())
+    return persisted(policy, report, gate, artifact_root=artifact_root)
+
+
+def test_promote_moves_production_only_when_the_gate_passes(env):
+    policy = run_toy(env, ToyConfig(value=9)).result()
+    good = {"accuracy": 0.6, "reference_accuracy": 0.3, "reward_mean": 1.0, "reference_reward_mean": 0.2,
+            "kl_mean": 0.5}  # fmt: skip
+    store = open_store(env["root"], PIPELINE)
+
+    for metrics in ({**good, "accuracy": 0.2}, {**good, "kl_mean": float("nan")}, {"kl_mean": 0.1}):
+        report = policy.model_copy(update={"stage": "evaluate", "metrics": metrics})
+        decision = promote_flow(policy, report, PromotionGate(), env["root"])
+        assert not decision.promoted, metrics
+        assert "production" not in store.aliases("toy")
+
+    report = policy.model_copy(update={"stage": "evaluate", "metrics": good})
+    decision = promote_flow(policy, report, PromotionGate(min_reward_gain=0.5), env["root"])
+    assert decision.promoted and store.get("toy", "production").version == policy.version
+    assert not promote_flow(policy, report, PromotionGate(min_reward_gain=1.0), env["root"]).promoted
