@@ -18,13 +18,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
-def resolve_device(device: str) -> str:
-    """'auto' means CUDA when this process sees a GPU, else CPU."""
+def cluster_device(device: str) -> str:
+    """The device of a stage's Ray ranks: 'auto' means CUDA when the Ray cluster has GPUs."""
     if device != "auto":
         return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cluster_has_gpus() else "cpu"
 
 
 def cluster_has_gpus() -> bool:
@@ -45,24 +43,31 @@ def cpu_rank_env() -> dict[str, str]:
 class RankWorker:
     """Base class of every rank actor: sets up the process as one torch.distributed rank."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+    def __init__(self, rank: int, world_size: int, device: str):
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        if device == "cpu":
+            os.environ.update(cpu_rank_env())
+            import torch
+
+            torch.set_num_threads(1)
+
+    def master_endpoint(self) -> tuple[str, int]:
+        """Address and a free port on this rank's node, for rank 0 to host the rendezvous."""
+        return node_address(), free_port()
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Set the torch.distributed environment a launcher would (the Ray path has no launcher)."""
         os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             # Ray gives each GPU rank its own CUDA_VISIBLE_DEVICES, so the local device is always 0.
             LOCAL_RANK="0",
             LOCAL_SIZE="1",
         )
-        if device == "cpu":
-            os.environ.update(cpu_rank_env())
-            import torch
-
-            torch.set_num_threads(1)
 
     def init_process_group(self) -> None:
         import deepspeed
@@ -70,10 +75,6 @@ class RankWorker:
 
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
-
-    def ping(self) -> int:
-        return self.rank
-
 
 def node_address() -> str:
     return ray.util.get_node_ip_address()
@@ -101,15 +102,11 @@ class ActorGroup:
     """`num_ranks` instances of a RankWorker subclass, rank i on bundle i; calls are dispatched to all ranks."""
 
     def __init__(self, worker_cls: type, num_ranks: int, device: str, *, placement: Placement | None = None,
-                 env: dict[str, str] | None = None, name: str = "group"):
+                 name: str = "group"):
         self.name = name
         self.placement = placement or make_placement(num_ranks, device)
-        env_vars = dict(env or {})
-        if device == "cpu":
-            env_vars.update(cpu_rank_env())
-        # Ray must not narrow CUDA_VISIBLE_DEVICES for colocated roles sharing one GPU via fractions.
+        env_vars = cpu_rank_env() if device == "cpu" else {}
         remote_cls = ray.remote(worker_cls)
-        master_addr, master_port = node_address(), free_port()
         self.actors = []
         for rank in range(num_ranks):
             options = dict(
@@ -119,12 +116,11 @@ class ActorGroup:
                     placement_group=self.placement.group, placement_group_bundle_index=rank
                 ),
                 runtime_env={"env_vars": env_vars},
-                name=None,
             )
-            self.actors.append(
-                remote_cls.options(**options).remote(rank, num_ranks, master_addr, master_port, device)
-            )
-        ray.get([actor.ping.remote() for actor in self.actors])
+            self.actors.append(remote_cls.options(**options).remote(rank, num_ranks, device))
+        # Rank 0 hosts the rendezvous on its own node, which need not be the driver's.
+        master_addr, master_port = ray.get(self.actors[0].master_endpoint.remote())
+        ray.get([actor.join.remote(master_addr, master_port) for actor in self.actors])
 
     @property
     def world_size(self) -> int:

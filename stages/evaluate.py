@@ -21,7 +21,7 @@ import torch
 from stages import algorithms as algo
 from stages import data
 from stages import engine as ds
-from stages.distributed import ActorGroup, RankWorker, cluster_has_gpus, init_ray
+from stages.distributed import ActorGroup, RankWorker, cluster_device, init_ray
 from stages.launch import stage_main
 from stages.rewards import load_reward_function
 from stages.rl import build_sequences
@@ -123,8 +123,7 @@ def run(cfg) -> dict[str, Any]:
                                          label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
                                          prompt_max_len=cfg.prompt_max_len)
     init_ray()
-    device = cfg.device if cfg.device != "auto" else ("cuda" if cluster_has_gpus() else "cpu")
-    group = ActorGroup(EvalWorker, cfg.num_nodes * cfg.num_gpus_per_node, device, name="evaluate")
+    group = ActorGroup(EvalWorker, cfg.world_size, cluster_device(cfg.device), name="evaluate")
     try:
         group.run("setup", cfg.model_dump(), EvaluateConfig)
         results = group.run_sharded("evaluate", [prompts[r :: group.world_size] for r in range(group.world_size)])

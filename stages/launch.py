@@ -20,40 +20,30 @@ class StageInputError(ValueError):
     """A problem with the stage's configuration or data, reported before any rank starts."""
 
 
-def world_size_of(cfg) -> int:
-    return cfg.num_nodes * cfg.num_gpus_per_node
-
-
-def run_rank_group(stage: str, worker_cls: type, cfg, *, num_ranks: int | None = None) -> dict[str, Any]:
+def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
     """Run `setup` then `fit` on every rank; returns rank 0's result."""
-    from stages.distributed import ActorGroup, RankWorker, cluster_has_gpus, init_ray, launched_by_torch_launcher
+    import torch
+
+    from stages.distributed import ActorGroup, cluster_device, init_ray, launched_by_torch_launcher
     from stages.engine import fault_injection_requested
 
     fault = fault_injection_requested(stage)
     config_cls = type(cfg)
     if launched_by_torch_launcher():
-        device = cfg.device if cfg.device != "auto" else ("cuda" if _cuda() else "cpu")
-        worker = worker_cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
-                            device)
-        assert isinstance(worker, RankWorker)
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        # The launcher already set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for this process.
+        worker = worker_cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
         worker.setup(cfg.model_dump(), config_cls)
         return worker.fit(fault)
     init_ray()
-    device = cfg.device if cfg.device != "auto" else ("cuda" if cluster_has_gpus() else "cpu")
-    group = ActorGroup(worker_cls, num_ranks or world_size_of(cfg), device, name=stage)
+    device = cluster_device(cfg.device)
+    group = ActorGroup(worker_cls, cfg.world_size, device, name=stage)
     try:
         info = group.run("setup", cfg.model_dump(), config_cls)[0]
         print(f"[{stage}] {group.world_size} ranks on {device}: {json.dumps(info)}", flush=True)
         return group.run("fit", fault)[0]
     finally:
         group.shutdown()
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str] | None = None) -> None:
@@ -74,4 +64,5 @@ def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str
         print(f"[{stage}] fault injected after the checkpoint of step {result['step']} (RLHF_FAULT_INJECT)",
               file=sys.stderr, flush=True)
         sys.exit(EXIT_FAULT_INJECTED)
-    print(f"[{stage}] done: {json.dumps(result.get('metrics', {}), sort_keys=True)}", flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under a launcher every rank gets here
+        print(f"[{stage}] done: {json.dumps(result.get('metrics', {}), sort_keys=True)}", flush=True)

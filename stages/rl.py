@@ -28,7 +28,7 @@ import torch
 from stages import algorithms as algo
 from stages import data
 from stages import engine as ds
-from stages.distributed import ActorGroup, Placement, RankWorker, cluster_has_gpus, init_ray, make_placement
+from stages.distributed import ActorGroup, Placement, RankWorker, cluster_device, init_ray, make_placement
 from stages.launch import StageInputError, stage_main
 from stages.rewards import load_reward_function
 from stages.trainer import chunks
@@ -318,8 +318,7 @@ def run(cfg) -> dict[str, Any]:
     optimizer_steps = total_steps * cfg.max_epochs * samples_per_step // cfg.train_batch_size
 
     init_ray()
-    device = cfg.device if cfg.device != "auto" else ("cuda" if cluster_has_gpus() else "cpu")
-    roles = Roles(cfg, device)
+    roles = Roles(cfg, cluster_device(cfg.device))
     try:
         cfg_dict = cfg.model_dump()
         setups = roles.actor.run_async("setup", cfg_dict, RLConfig, optimizer_steps)
