@@ -212,25 +212,22 @@ class Roles:
     def __init__(self, cfg, device: str):
         from stages.rollout import create_rollout_engines
 
-        self.needs_ref = cfg.init_kl_coef > 0
-        self.needs_rm = not cfg.remote_rm_url
-        actor_ranks = cfg.actor_num_nodes * cfg.actor_num_gpus_per_node
+        ranks = cfg.role_ranks()  # actor, plus ref with a KL term and reward without --remote_rm_url
         actor_placement = ref_placement = reward_placement = None
         engine_resources: dict[str, Any] = {}
         if cfg.colocate_all_models:
             # One bundle per actor rank; every role (engines included) takes an equal fraction of each bundle.
-            shared = make_placement(actor_ranks, device)
-            share = math.floor(100 / (2 + self.needs_ref + self.needs_rm)) / 100
+            shared = make_placement(ranks["actor"], device)
+            share = math.floor(100 / (len(ranks) + 1)) / 100
             gpu_share = share if device == "cuda" else 0.0
             actor_placement = Placement(shared.group, num_cpus=share, num_gpus=gpu_share, owned=True)
             ref_placement = reward_placement = Placement(shared.group, num_cpus=share, num_gpus=gpu_share)
             engine_resources = dict(placement_group=shared.group, num_cpus=share, num_gpus=gpu_share)
-        ref_ranks = actor_ranks if cfg.colocate_all_models else cfg.ref_num_nodes * cfg.ref_num_gpus_per_node
-        self.actor = ActorGroup(PolicyWorker, actor_ranks, device, placement=actor_placement, name="actor")
-        self.ref = (ActorGroup(ReferenceWorker, ref_ranks, device, placement=ref_placement, name="ref")
-                    if self.needs_ref else None)
-        self.reward = (ActorGroup(RewardModelWorker, cfg.role_ranks()["reward"], device, placement=reward_placement,
-                                  name="reward") if self.needs_rm else None)
+        self.actor = ActorGroup(PolicyWorker, ranks["actor"], device, placement=actor_placement, name="actor")
+        self.ref = (ActorGroup(ReferenceWorker, ranks["ref"], device, placement=ref_placement, name="ref")
+                    if "ref" in ranks else None)
+        self.reward = (ActorGroup(RewardModelWorker, ranks["reward"], device, placement=reward_placement,
+                                  name="reward") if "reward" in ranks else None)
         self.engines = create_rollout_engines(
             cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
             tensor_parallel_size=cfg.vllm_tensor_parallel_size,
