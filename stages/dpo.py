@@ -16,23 +16,13 @@ from stages import algorithms as algo
 from stages import data
 from stages.engine import build_inference_engine, deepspeed_config, load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, chunks, validate_sources
-
-
-def pair_sequences(examples: list[dict], pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
-    """Chosen then rejected sequences, right-padded, with their response masks aligned to next-token log-probs."""
-    sequences = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    masks = [e["chosen_loss_mask"] for e in examples] + [e["rejected_loss_mask"] for e in examples]
-    input_ids = data.pad_batch(sequences, pad_token_id).to(device)
-    attention_mask = data.pad_batch([[1] * len(s) for s in sequences], 0).to(device)
-    loss_mask = data.pad_batch(masks, 0)[:, 1:].to(device)
-    return input_ids, attention_mask, loss_mask
+from stages.trainer import StepTrainer, chunks, next_token_log_probs, validate_sources
 
 
 def response_log_prob_sums(model, input_ids, attention_mask, loss_mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of response-token log-probs per sequence [2B], per-token log-probs [2B, T-1])."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    token_logp = algo.token_log_probs(logits, input_ids[:, 1:])
+    """(sum of response-token log-probs per sequence [2B], per-token log-probs [2B, T-1]); loss_mask is aligned
+    with the log-probs (shifted by one against the inputs)."""
+    token_logp = next_token_log_probs(model, input_ids, attention_mask)
     return algo.masked_sum(token_logp, loss_mask, dim=-1), token_logp
 
 
@@ -63,8 +53,9 @@ class DPOWorker(StepTrainer):
         return float(len(examples))
 
     def pair_terms(self, examples) -> dict[str, torch.Tensor]:
-        input_ids, attention_mask, loss_mask = pair_sequences(examples, self.tokenizer.pad_token_id,
-                                                              self.model_device)
+        input_ids, attention_mask, loss_mask = (t.to(self.model_device) for t in
+                                                data.preference_batch(examples, self.tokenizer.pad_token_id))
+        loss_mask = loss_mask[:, 1:]
         policy_sums, policy_tokens = response_log_prob_sums(self.engine, input_ids, attention_mask, loss_mask)
         with torch.no_grad():
             ref_sums, _ = response_log_prob_sums(self.reference, input_ids, attention_mask, loss_mask)

@@ -25,7 +25,7 @@ from stages.distributed import ActorGroup, RankWorker, cluster_device, init_ray
 from stages.launch import stage_main
 from stages.rewards import load_reward_function
 from stages.rl import build_sequences
-from stages.trainer import chunks
+from stages.trainer import chunks, next_token_log_probs
 
 
 class EvalWorker(RankWorker):
@@ -46,8 +46,7 @@ class EvalWorker(RankWorker):
         """Response ids (up to and including eos) per prompt; temperature 0 is greedy decoding."""
         greedy = temperature == 0
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        input_ids = data.pad_batch(prompt_ids, pad, side="left").to(self.device)
-        attention_mask = data.pad_batch([[1] * len(p) for p in prompt_ids], 0, side="left").to(self.device)
+        input_ids, attention_mask = (t.to(self.device) for t in data.pad_sequences(prompt_ids, pad, side="left"))
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.cfg.generate_max_len,
             do_sample=not greedy, temperature=None if greedy else temperature, top_p=None, top_k=None,
@@ -69,16 +68,15 @@ class EvalWorker(RankWorker):
     def rm_scores(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> torch.Tensor:
         # The reward model was trained on prompt + response + eos token ids of the same tokenizer.
         batch = self.sequences(prompt_ids, response_ids)
-        return self.reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].float().cpu()
+        scores = self.reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return scores[:, 0].float().cpu()
 
     @torch.no_grad()
     def sequence_kl(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> torch.Tensor:
         batch = self.sequences(prompt_ids, response_ids)
-        logp = {}
-        for name, model in (("policy", self.policy), ("reference", self.reference)):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-            logp[name] = algo.token_log_probs(logits, batch["input_ids"][:, 1:])
-        kl = algo.compute_kl(logp["policy"], logp["reference"], "k1")
+        logp, ref_logp = (next_token_log_probs(model, batch["input_ids"], batch["attention_mask"])
+                          for model in (self.policy, self.reference))
+        kl = algo.compute_kl(logp, ref_logp, "k1")
         return (kl * batch["action_mask"]).sum(-1).cpu()
 
     def evaluate(self, shard: list[dict]) -> dict[str, Any]:

@@ -18,14 +18,6 @@ from stages.launch import run_rank_group, stage_main
 from stages.trainer import StepTrainer, chunks, validate_sources
 
 
-def pair_batch(examples: list[dict], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen sequences first, then rejected ones, right-padded into one batch."""
-    sequences = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    input_ids = data.pad_batch(sequences, pad_token_id).to(device)
-    attention_mask = data.pad_batch([[1] * len(s) for s in sequences], 0).to(device)
-    return input_ids, attention_mask
-
-
 def sequence_rewards(model, input_ids, attention_mask) -> torch.Tensor:
     return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
 
@@ -57,7 +49,8 @@ class RewardModelWorker(StepTrainer):
         return float(len(examples))
 
     def pair_rewards(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, attention_mask = pair_batch(examples, self.tokenizer.pad_token_id, self.model_device)
+        input_ids, attention_mask, _ = (t.to(self.model_device) for t in
+                                        data.preference_batch(examples, self.tokenizer.pad_token_id))
         rewards = sequence_rewards(self.engine, input_ids, attention_mask)
         return rewards[: len(examples)], rewards[len(examples) :]
 

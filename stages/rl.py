@@ -31,7 +31,7 @@ from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, RankWorker, cluster_device, init_ray, make_placement
 from stages.launch import StageInputError, stage_main
 from stages.rewards import load_reward_function
-from stages.trainer import chunks
+from stages.trainer import chunks, next_token_log_probs
 
 EXPERIENCE_KEYS = ("input_ids", "attention_mask", "action_mask", "old_logp", "ref_logp", "advantages")
 
@@ -166,8 +166,7 @@ def sequence_log_probs(model, batch: dict[str, torch.Tensor], micro_batch_size: 
     for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
         ids = batch["input_ids"][start : start + micro_batch_size].to(device)
         mask = batch["attention_mask"][start : start + micro_batch_size].to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1] / temperature
-        out.append(algo.token_log_probs(logits, ids[:, 1:]).cpu())
+        out.append(next_token_log_probs(model, ids, mask, temperature).cpu())
     return torch.cat(out)
 
 
@@ -187,9 +186,7 @@ def gather_log_probs(group: ActorGroup, batch: dict[str, torch.Tensor]) -> torch
 def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict:
     """Right-padded prompt+response sequences; action_mask[t] marks positions whose next token is a response
     token (aligned with log-probs, which have length T-1)."""
-    sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
-    input_ids = data.pad_batch(sequences, pad_id)
-    attention_mask = data.pad_batch([[1] * len(s) for s in sequences], 0)
+    input_ids, attention_mask = data.pad_sequences([p + r for p, r in zip(prompt_ids, response_ids)], pad_id)
     action_mask = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         action_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0

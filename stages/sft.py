@@ -12,20 +12,13 @@ from stages import algorithms as algo
 from stages import data
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, chunks, validate_sources
+from stages.trainer import StepTrainer, chunks, next_token_log_probs, validate_sources
 
 
 def causal_lm_batch(examples: list[dict], pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
-    input_ids = data.pad_batch([e["input_ids"] for e in examples], pad_token_id).to(device)
-    attention_mask = data.pad_batch([[1] * len(e["input_ids"]) for e in examples], 0).to(device)
-    loss_mask = data.pad_batch([e["loss_mask"] for e in examples], 0).to(device)
-    return input_ids, attention_mask, loss_mask
-
-
-def response_log_probs(model, input_ids, attention_mask) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) for every position, shape [B, T-1], fp32."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return algo.token_log_probs(logits[:, :-1], input_ids[:, 1:])
+    input_ids, attention_mask = data.pad_sequences([e["input_ids"] for e in examples], pad_token_id)
+    loss_mask = data.pad_batch([e["loss_mask"] for e in examples], 0)
+    return input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
 
 
 class SFTWorker(StepTrainer):
@@ -53,7 +46,7 @@ class SFTWorker(StepTrainer):
     def micro_batch_loss(self, examples, normalizer):
         input_ids, attention_mask, loss_mask = causal_lm_batch(examples, self.tokenizer.pad_token_id,
                                                                self.model_device)
-        logp = response_log_probs(self.engine, input_ids, attention_mask)
+        logp = next_token_log_probs(self.engine, input_ids, attention_mask)
         loss = algo.aggregate_token_loss(-logp, loss_mask[:, 1:], normalizer)
         return loss, {"loss": loss.item()}
 
@@ -64,7 +57,7 @@ class SFTWorker(StepTrainer):
         for micro in chunks(self.eval_shard(), self.cfg.micro_train_batch_size):
             input_ids, attention_mask, loss_mask = causal_lm_batch(micro, self.tokenizer.pad_token_id,
                                                                    self.model_device)
-            logp = response_log_probs(self.engine, input_ids, attention_mask)
+            logp = next_token_log_probs(self.engine, input_ids, attention_mask)
             nll += float(-(logp * loss_mask[:, 1:]).sum())
             tokens += float(loss_mask[:, 1:].sum())
         totals = self.all_reduce_sum({"nll": nll, "tokens": tokens})

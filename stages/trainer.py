@@ -21,6 +21,15 @@ from stages import engine as ds
 from stages.distributed import RankWorker
 
 
+def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) for every position, [B, T-1], fp32; logits divided by `temperature`."""
+    from stages import algorithms as algo
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    return algo.token_log_probs(logits / temperature, input_ids[:, 1:])
+
+
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
