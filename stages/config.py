@@ -100,6 +100,16 @@ class StageConfig(_Strict):
         None, description="template with {} for the prompt text, used without --apply_chat_template",
     )
     max_samples: int = _max_samples(1_000_000)
+    use_tensorboard: str | None = Field(
+        None, description="write metrics as TensorBoard events under this directory (one subdirectory per stage)",
+    )
+    use_wandb: bool = Field(
+        False,
+        description="log metrics to Weights & Biases: online with WANDB_API_KEY in the environment, otherwise "
+        "offline run files (under $WANDB_DIR/wandb or <save_path>/wandb) to upload later with `wandb sync`",
+    )
+    wandb_project: str = Field("rlhf-flow", description="W&B project of --use_wandb runs")
+    wandb_run_name: str | None = Field(None, description="W&B run name of --use_wandb runs; unset: the stage name")
 
     @model_validator(mode="after")
     def _reject_impossible(self) -> StageConfig:
@@ -142,6 +152,11 @@ class TrainingConfig(StageConfig):
         -1, ge=-1, description="optimizer steps between evaluations; -1 = only the final evaluation",
     )
     max_ckpt_num: int = Field(3, ge=1, description="checkpoints kept under --ckpt_path; older ones are deleted")
+    load_checkpoint: bool = Field(
+        False,
+        description="resume from --ckpt_path even though its checkpoints were written by a run with other settings "
+        "or data (a matching run resumes without it)",
+    )
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     adam_offload: bool = Field(False, description="keep Adam optimizer states in CPU memory (needs ZeRO >= 1)")

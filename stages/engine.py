@@ -124,41 +124,132 @@ def global_loss_scale(engine) -> float:
 
 
 # ---------------------------------------------------------------- checkpoints
+#
+# <ckpt_path>/step00000050/<tag>/   one DeepSpeed checkpoint per trained model (tag "model", or "actor"/"critic")
+#                                    with every rank's RNG state beside it
+# <ckpt_path>/latest_step.json      the newest complete step, written last (a crash mid-save leaves the previous one)
+# <ckpt_path>/fingerprint.json      what the checkpoints trained: stage, config fields that change training, the
+#                                    content of its datasets; a run that does not match may not resume from them
+
+LATEST_MARKER = "latest_step.json"
+FINGERPRINT_FILE = "fingerprint.json"
+# Fields that do not change what is trained: outputs, logging, evaluation, checkpoint cadence, the resume switch.
+NOT_TRAINING_FIELDS = frozenset({
+    "save_path", "ckpt_path", "local_rank", "logging_steps", "save_steps", "eval_steps", "max_ckpt_num",
+    "eval_dataset", "eval_split", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name",
+    "load_checkpoint",
+})
+# Dataset fields whose content (not just path) a checkpoint depends on, with the field naming their split.
+DATASET_FIELDS = {"dataset": "dataset_split", "prompt_data": "prompt_split"}
+
+
+def step_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
+    return Path(ckpt_dir) / f"step{step:08d}"
+
 
 def latest_checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
     """Step of the newest complete checkpoint under ckpt_dir (0 when there is none)."""
-    marker = Path(ckpt_dir) / "latest_step.json"
+    marker = Path(ckpt_dir) / LATEST_MARKER
     if not marker.exists():
         return 0
     return int(json.loads(marker.read_text())["step"])
 
 
-def save_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, max_keep: int) -> None:
-    """Save engine (model, optimizer, scheduler) plus client state on every rank; mark it complete last."""
-    ckpt_dir = Path(ckpt_dir)
-    tag = f"step{step:08d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
-    torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = ckpt_dir / "latest_step.json.tmp"
-        tmp.write_text(json.dumps({"step": step, "tag": tag}))
-        os.replace(tmp, ckpt_dir / "latest_step.json")
-        old = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name != tag)
-        for path in old[: max(0, len(old) - (max_keep - 1))]:
-            shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
+def training_fingerprint(stage: str, cfg) -> dict[str, Any]:
+    """What a run trains: its stage, every config field that changes training, and its datasets' contents."""
+    from stages.fingerprint import dataset_fingerprint
+
+    values = cfg.model_dump(mode="json")
+    data = {field: dataset_fingerprint(values[field]) for field in DATASET_FIELDS if values.get(field)}
+    config = {key: value for key, value in values.items() if key not in NOT_TRAINING_FIELDS}
+    return {"stage": stage, "config": config, "data": data}
 
 
-def load_checkpoint(engine, ckpt_dir: str | os.PathLike) -> tuple[int, dict]:
-    """Restore the newest checkpoint; returns (step, client_state) or (0, {}) when there is none."""
+def _fingerprint_differences(old: dict, new: dict) -> list[str]:
+    differences = []
+    if old.get("stage") != new["stage"]:
+        differences.append(f"stage {old.get('stage')!r} -> {new['stage']!r}")
+    for key in sorted(set(old.get("config", {})) | set(new["config"])):
+        before, after = old.get("config", {}).get(key), new["config"].get(key)
+        if before != after:
+            differences.append(f"--{key} {before!r} -> {after!r}")
+    for key in sorted(set(old.get("data", {})) | set(new["data"])):
+        before, after = old.get("data", {}).get(key), new["data"].get(key)
+        if before != after:
+            differences.append(f"content of --{key} ({before} -> {after})")
+    return differences
+
+
+def claim_checkpoints(stage: str, cfg, *, write: bool = True) -> int:
+    """Decide, before any rank starts, whether this run resumes from --ckpt_path: returns the step to resume from.
+
+    A fresh directory (no complete checkpoint) is claimed by writing this run's fingerprint. Checkpoints written
+    by a run with another fingerprint are refused (StageInputError naming what differs) unless --load_checkpoint
+    asks to resume from them anyway; then the directory is claimed by this run. Under a launcher every rank
+    checks; only the one with `write` claims.
+    """
+    from stages.launch import StageInputError
+
+    ckpt_dir = Path(cfg.ckpt_path)
+    fingerprint = training_fingerprint(stage, cfg)
     step = latest_checkpoint_step(ckpt_dir)
-    if step == 0:
-        return 0, {}
-    tag = f"step{step:08d}"
-    _, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    set_rng_state(torch.load(Path(ckpt_dir) / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
-    return step, client_state or {}
+    if step:
+        path = ckpt_dir / FINGERPRINT_FILE
+        old = json.loads(path.read_text()) if path.exists() else {}
+        differences = _fingerprint_differences(old, fingerprint) if old else ["no fingerprint.json (written by "
+                                                                            "another program or an older version)"]
+        if differences and not cfg.load_checkpoint:
+            raise StageInputError(
+                f"--ckpt_path {ckpt_dir} holds checkpoints (step {step}) of another run: "
+                + "; ".join(differences)
+                + ". Start fresh with another --ckpt_path (or delete that directory), or resume from these "
+                "checkpoints anyway with --load_checkpoint."
+            )
+        if not differences:
+            return step
+        print(f"[{stage}] --load_checkpoint: resuming from step {step} of a run that differed: "
+              + "; ".join(differences), flush=True)
+    if not write:
+        return step
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / f"{FINGERPRINT_FILE}.tmp"
+    tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+    os.replace(tmp, ckpt_dir / FINGERPRINT_FILE)
+    return step
+
+
+def save_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, tag: str = "model") -> None:
+    """Save one model's engine (weights, optimizer, scheduler) plus client state and every rank's RNG state.
+
+    All ranks of the model call it; the checkpoint counts only once `commit_checkpoint` has marked its step.
+    """
+    directory = step_dir(ckpt_dir, step)
+    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
+    torch.save(rng_state(), directory / tag / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+def commit_checkpoint(ckpt_dir: str | os.PathLike, step: int, max_keep: int) -> None:
+    """Mark `step` as the newest complete checkpoint (after every model saved it), then drop the oldest ones.
+
+    Called once (rank 0, or the RL driver).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    tmp = ckpt_dir / f"{LATEST_MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step}))
+    os.replace(tmp, ckpt_dir / LATEST_MARKER)
+    current = step_dir(ckpt_dir, step)
+    old = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir() and p != current)
+    for path in old[: max(0, len(old) - (max_keep - 1))]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, tag: str = "model") -> dict:
+    """Restore one model's engine and this rank's RNG state from `step`; returns the client state."""
+    directory = step_dir(ckpt_dir, step)
+    _, client_state = engine.load_checkpoint(str(directory), tag=tag)
+    set_rng_state(torch.load(directory / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    return client_state or {}
 
 
 def gathered_state_dict(engine_or_model) -> dict[str, torch.Tensor]:

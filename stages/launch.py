@@ -25,23 +25,26 @@ def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
     import torch
 
     from stages.distributed import ActorGroup, cluster_device, init_ray, launched_by_torch_launcher
-    from stages.engine import fault_injection_requested
+    from stages.engine import claim_checkpoints, fault_injection_requested
 
     fault = fault_injection_requested(stage)
     config_cls = type(cfg)
     if launched_by_torch_launcher():
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         # The launcher already set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for this process.
-        worker = worker_cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
+        rank = int(os.environ["RANK"])
+        start_step = claim_checkpoints(stage, cfg, write=rank == 0) if cfg.ckpt_path else 0
+        worker = worker_cls(rank, int(os.environ["WORLD_SIZE"]), device)
         worker.setup(cfg.model_dump(), config_cls)
-        return worker.fit(fault)
+        return worker.fit(start_step, fault)
+    start_step = claim_checkpoints(stage, cfg) if cfg.ckpt_path else 0
     init_ray()
     device = cluster_device(cfg.device)
     group = ActorGroup(worker_cls, cfg.world_size, device, name=stage)
     try:
         info = group.run("setup", cfg.model_dump(), config_cls)[0]
         print(f"[{stage}] {group.world_size} ranks on {device}: {json.dumps(info)}", flush=True)
-        return group.run("fit", fault)[0]
+        return group.run("fit", start_step, fault)[0]
     finally:
         group.shutdown()
 

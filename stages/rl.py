@@ -97,11 +97,11 @@ class PolicyWorker(RankWorker):
         state = ds.gathered_state_dict(self.engine)
         return state if self.rank == 0 else None
 
-    def save_checkpoint(self, step: int, client_state: dict, max_keep: int) -> None:
-        ds.save_checkpoint(self.engine, self.cfg.ckpt_path, step, client_state, max_keep)
+    def save_checkpoint(self, step: int, client_state: dict) -> None:
+        ds.save_checkpoint(self.engine, self.cfg.ckpt_path, step, client_state, tag="actor")
 
-    def load_checkpoint(self) -> tuple[int, dict]:
-        return ds.load_checkpoint(self.engine, self.cfg.ckpt_path)
+    def load_checkpoint(self, step: int) -> dict:
+        return ds.load_checkpoint(self.engine, self.cfg.ckpt_path, step, tag="actor")
 
     def export(self, save_path: str) -> None:
         from stages.model_io import load_tokenizer
@@ -331,7 +331,8 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], toke
           total_steps: int, steps_per_episode: int) -> dict[str, Any]:
     from stages.engine import fault_injection_requested
 
-    start_step, client_state = roles.actor.run("load_checkpoint")[0] if cfg.ckpt_path else (0, {})
+    start_step = ds.claim_checkpoints("rl", cfg) if cfg.ckpt_path else 0
+    client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     history: list[dict] = client_state.get("history", [])
     kl_ctl = (algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else algo.FixedKLController(cfg.init_kl_coef))
@@ -357,7 +358,8 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], toke
                                      for k, v in record.items()), flush=True)
         if cfg.ckpt_path and cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             state = {"history": history, "kl_coef": kl_ctl.value, "eval_reward_initial": eval_initial}
-            roles.actor.run("save_checkpoint", step + 1, state, cfg.max_ckpt_num)
+            roles.actor.run("save_checkpoint", step + 1, state)
+            ds.commit_checkpoint(cfg.ckpt_path, step + 1, cfg.max_ckpt_num)
             if fault_injection_requested("rl") and start_step == 0:
                 return {"fault_injected": True, "step": step + 1}
     roles.actor.run("export", cfg.save_path)

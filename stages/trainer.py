@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from stages import engine as ds
 from stages.distributed import RankWorker
+from stages.tracking import PhaseTimer, StepLog, phase_seconds
 
 
 def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -86,36 +87,49 @@ class StepTrainer(RankWorker):
         size = self.cfg.train_batch_size
         return [self.train_examples[i] for i in order[index * size : (index + 1) * size]]
 
-    def fit(self, stop_after_first_checkpoint: bool = False) -> dict[str, Any]:
+    def fit(self, start_step: int = 0, stop_after_first_checkpoint: bool = False) -> dict[str, Any]:
+        """Train from `start_step` (resuming from its checkpoint when > 0) to the end; rank 0 writes the outputs."""
         cfg = self.cfg
-        start_step, client_state = ds.load_checkpoint(self.engine, cfg.ckpt_path) if cfg.ckpt_path else (0, {})
+        client_state = ds.load_checkpoint(self.engine, cfg.ckpt_path, start_step) if start_step else {}
         history: list[dict] = client_state.get("history", [])
+        log = StepLog(self.stage, cfg, self.total_steps, start_step) if self.rank == 0 else None
+        timer = PhaseTimer()
         self.engine.train()
         started = time.time()
         for step in range(start_step, self.total_steps):
-            batch = self.step_examples(step)
-            normalizer = self.step_normalizer(batch)
-            mine = batch[self.rank :: self.world_size]
+            step_started = time.perf_counter()
+            with timer.phase("data"):
+                batch = self.step_examples(step)
+                normalizer = self.step_normalizer(batch)
+                mine = batch[self.rank :: self.world_size]
             totals: dict[str, float] = {}
             for micro in chunks(mine, cfg.micro_train_batch_size):
-                loss, stats = self.micro_batch_loss(micro, normalizer)
-                self.engine.backward(loss * ds.global_loss_scale(self.engine))
-                self.engine.step()
+                with timer.phase("forward_backward"):
+                    loss, stats = self.micro_batch_loss(micro, normalizer)
+                    self.engine.backward(loss * ds.global_loss_scale(self.engine))
+                with timer.phase("optimizer"):  # the optimizer runs at the last micro-batch of the step
+                    self.engine.step()
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
-            record = {"step": step + 1, **self.all_reduce_sum(totals),
-                      "lr": self.engine.get_lr()[0]}
-            history.append(record)
-            if self.rank == 0 and (step + 1) % max(cfg.logging_steps, 1) == 0:
-                shown = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
-                print(f"[{self.stage}] {shown}", flush=True)
+            record = {"step": step + 1, **self.all_reduce_sum(totals), "lr": self.engine.get_lr()[0]}
             if cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0 and self.eval_examples:
-                record.update({f"eval_{k}": v for k, v in self.evaluate().items()})
+                with timer.phase("evaluation"):
+                    record.update({f"eval_{k}": v for k, v in self.evaluate().items()})
                 self.engine.train()
-            if cfg.ckpt_path and cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-                ds.save_checkpoint(self.engine, cfg.ckpt_path, step + 1, {"history": history}, cfg.max_ckpt_num)
-                if stop_after_first_checkpoint and start_step == 0:
-                    return {"fault_injected": True, "step": step + 1}
+            history.append(record)
+            saved = bool(cfg.ckpt_path) and cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0
+            if saved:
+                with timer.phase("checkpoint"):
+                    ds.save_checkpoint(self.engine, cfg.ckpt_path, step + 1, {"history": history})
+                    if self.rank == 0:
+                        ds.commit_checkpoint(cfg.ckpt_path, step + 1, cfg.max_ckpt_num)
+                    dist.barrier()
+            record.update(timer.take())
+            record["time/step"] = round(time.perf_counter() - step_started, 4)
+            if log is not None:
+                log.log(step + 1, record)
+            if saved and stop_after_first_checkpoint and start_step == 0:
+                return {"fault_injected": True, "step": step + 1}
         metrics: dict[str, Any] = {
             "steps": self.total_steps,
             "resumed_from_step": start_step,
@@ -124,12 +138,15 @@ class StepTrainer(RankWorker):
         if history:
             metrics["train_loss_first"] = history[0]["loss"]
             metrics["train_loss_last"] = history[-1]["loss"]
+            metrics.update(phase_seconds(history[start_step:]))
         if self.eval_examples:
             metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
         ds.export_hf(self.engine, self.tokenizer, cfg.save_path, self.export_extra_config())
         if self.rank == 0:
             ds.write_metrics(cfg.save_path, metrics)
             (Path(cfg.save_path) / "history.json").write_text(json.dumps(history, indent=1))
+            log.summary(metrics)
+            log.close()
         return {"metrics": metrics, "history": history}
 
     # ---- helpers

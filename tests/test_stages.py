@@ -93,7 +93,7 @@ def test_sft_resume_after_crash_repeats_the_uninterrupted_losses(sft_model, asse
     resumed = json.loads((tmp_path / "model" / "history.json").read_text())
     assert [r["step"] for r in resumed] == list(range(1, 151))
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full], rel=1e-5)
-    assert "[sft] step=50 " in crashed.stdout and f"loss={full[49]['loss']:.4f}" in crashed.stdout
+    assert "[sft] step 50/150 (33%" in crashed.stdout and f"loss={full[49]['loss']:.4f}" in crashed.stdout
     assert max_weight_change(sft_model, tmp_path / "model") < 1e-5
 
 

@@ -1,0 +1,153 @@
+"""What a stage reports while it trains: phase timings, the step log line with progress and ETA, TensorBoard, W&B.
+
+One `StepLog` per stage process (rank 0 / the RL driver). Every step's record goes to TensorBoard and W&B when
+enabled; every `--logging_steps`-th step (and the last) also prints one line to the job log:
+
+    [rl] step 5/25 (20%, elapsed 0:00:12, ETA 0:00:48) reward=0.4100 kl=0.0123 ...
+
+The orchestration parses that line for its progress artifact, so its prefix is part of the stage contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+TIME_PREFIX = "time/"
+
+
+class PhaseTimer:
+    """Wall time spent in named phases of one step: `with timer.phase("generation"): ...`.
+
+    Phases may repeat within a step (their times add up); `take()` returns {"time/<phase>": seconds} and starts
+    the next step from zero.
+    """
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def add(self, name: str, seconds: float) -> None:
+        self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        taken = {f"{TIME_PREFIX}{name}": round(seconds, 4) for name, seconds in self._seconds.items()}
+        self._seconds = {}
+        return taken
+
+
+def phase_seconds(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Total seconds per phase over step records, as stage metrics: {"seconds/<phase>": total}."""
+    totals: dict[str, float] = {}
+    for record in records:
+        for key, value in record.items():
+            if key.startswith(TIME_PREFIX):
+                name = f"seconds/{key.removeprefix(TIME_PREFIX)}"
+                totals[name] = totals.get(name, 0.0) + value
+    return {key: round(value, 2) for key, value in totals.items()}
+
+
+def format_duration(seconds: float) -> str:
+    return str(timedelta(seconds=round(max(seconds, 0.0))))
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
+    return str(value)
+
+
+class StepLog:
+    """Step records of one stage run: printed with progress, sent to TensorBoard and W&B (rank 0 only)."""
+
+    def __init__(self, stage: str, cfg, total_steps: int, start_step: int = 0):
+        self.stage = stage
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.logging_steps = max(getattr(cfg, "logging_steps", 1), 1)
+        self.started = time.monotonic()
+        self._tensorboard = None
+        self._wandb = None
+        if cfg.use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a crashed attempt wrote past the checkpoint it is resuming from.
+            self._tensorboard = SummaryWriter(str(Path(cfg.use_tensorboard) / stage), purge_step=start_step + 1)
+        if cfg.use_wandb:
+            self._wandb = _start_wandb(stage, cfg)
+
+    def line(self, step: int, record: dict[str, Any]) -> str:
+        """The job-log line of a step: progress, elapsed time, ETA, then the record's values."""
+        elapsed = time.monotonic() - self.started
+        done_here = step - self.start_step
+        eta = elapsed / done_here * (self.total_steps - step) if done_here > 0 else math.nan
+        percent = 100 * step // max(self.total_steps, 1)
+        values = " ".join(f"{key}={value:.3f}" if key.startswith(TIME_PREFIX) else f"{key}={format_value(value)}"
+                          for key, value in record.items() if key != "step")
+        eta_text = format_duration(eta) if math.isfinite(eta) else "?"
+        return (f"[{self.stage}] step {step}/{self.total_steps} ({percent}%, elapsed {format_duration(elapsed)}, "
+                f"ETA {eta_text}) {values}")
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        scalars = {key: float(value) for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self._tensorboard is not None:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(f"{self.stage}/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log({f"{self.stage}/{key}": value for key, value in scalars.items()}, step=step)
+        if step % self.logging_steps == 0 or step == self.total_steps:
+            print(self.line(step, record), flush=True)
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        """Final metrics of the stage (also for stages without steps, such as evaluation)."""
+        scalars = {key: float(value) for key, value in metrics.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self._tensorboard is not None:
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(f"{self.stage}/final/{key}", value, self.total_steps)
+        if self._wandb is not None:
+            self._wandb.summary.update({f"{self.stage}/{key}": value for key, value in scalars.items()})
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(stage: str, cfg):
+    """A W&B run: online with WANDB_API_KEY (or a logged-in machine), otherwise offline files to sync later.
+
+    The key never comes from the config, so it never lands in manifests or logs. The run id is derived from the
+    checkpoint directory, so a resumed stage continues its run instead of starting a new one.
+    """
+    import wandb
+
+    online = bool(os.environ.get("WANDB_API_KEY")) and os.environ.get("WANDB_MODE") != "offline"
+    directory = Path(os.environ.get("WANDB_DIR") or cfg.save_path)  # W&B adds its own wandb/ folder
+    directory.mkdir(parents=True, exist_ok=True)
+    anchor = getattr(cfg, "ckpt_path", None) or cfg.save_path
+    run_id = hashlib.sha256(f"{stage}\0{Path(anchor).resolve()}".encode()).hexdigest()[:16]
+    if not online:
+        print(f"[{stage}] W&B offline (no WANDB_API_KEY): run files in {directory}; upload with `wandb sync`",
+              flush=True)
+    return wandb.init(
+        project=cfg.wandb_project, name=cfg.wandb_run_name or stage, id=run_id, resume="allow",
+        dir=str(directory), mode="online" if online else "offline", settings=wandb.Settings(quiet=True),
+        config={key: value for key, value in cfg.model_dump(mode="json").items()},
+    )
