@@ -241,22 +241,65 @@ class PreferenceKeys(_Strict):
 
 
 class PromptConfig(StageConfig):
-    """Prompt data and reward sources: what the RL and evaluation stages generate from and score with."""
+    """Prompts, reward sources and rollout engines: what the RL and evaluation stages generate with and score."""
 
     required_inputs = (("pretrain",), ("prompt_data",), ("reward_pretrain", "remote_rm_url"))
 
     prompt_data: str | None = Field(None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI")
     prompt_split: str = Field("train", description="split of --prompt_data to read (a single file is the split itself)")
-    input_key: str = Field("input", description="dataset column holding the prompt (text or chat messages)")
+    input_key: str = Field(
+        "input", description="dataset column holding the prompt: text, or chat messages (needs --apply_chat_template)",
+    )
     label_key: str | None = Field(None, description="dataset column holding the reference answer passed to reward_func")
-    prompt_max_len: int = Field(1024, ge=1, description="maximum prompt tokens; longer prompts are truncated")
+    prompt_max_len: int = Field(
+        1024, ge=1, description="maximum prompt tokens; longer prompts are dropped (and counted in the log)",
+    )
     generate_max_len: int = Field(1024, ge=1, description="maximum new tokens per response")
     remote_rm_url: str | None = Field(
         None,
-        description="reward function: HTTP URL, or path to a python file defining "
-        "reward_func(queries, prompts, labels)",
+        description="reward function: a python file defining reward_func(queries, prompts, labels), or an HTTP "
+        "endpoint, or a comma-separated list of endpoints (load-balanced; a failed request is retried with backoff "
+        "on the next one)",
+    )
+    remote_rm_timeout: float = Field(
+        180.0, gt=0, description="seconds an HTTP reward request may take before it counts as failed and is retried",
     )
     reward_pretrain: str | None = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
+    normalize_reward: bool = Field(
+        False,
+        description="standardise reward-model scores with the mean/std stored in the reward model's config.json "
+        "(reward_mean/reward_std from stages.reward_model, or OpenRLHF's mean/std)",
+    )
+    micro_rollout_batch_size: int = Field(
+        8, ge=1, description="samples per forward pass on one rank when scoring rollouts (log-probs, values, rewards)",
+    )
+    rollout_backend: RolloutBackend = Field(
+        "auto", description="generation engine: vllm, hf (transformers generate), or auto (vllm when installed)",
+    )
+    vllm_num_engines: int = Field(1, ge=1, description="rollout engines (vLLM, or HF generate with the hf backend)")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (tensor parallelism)")
+    vllm_gpu_memory_utilization: float = Field(
+        0.95, gt=0, le=1, description="fraction of GPU memory a vLLM engine may use",
+    )
+    enforce_eager: bool = Field(False, description="run vLLM without CUDA graphs (on CPU engines always run eagerly)")
+    enable_prefix_caching: bool = Field(
+        False, description="let vLLM reuse the KV cache of shared prompt prefixes (the n samples of a prompt)",
+    )
+    eval_n_samples_per_prompt: int = Field(
+        4, ge=0, description="held-out evaluation: samples per prompt at --eval_temperature for pass@n (0: greedy only)",
+    )
+    eval_temperature: float = Field(
+        0.6, gt=0, description="held-out evaluation: sampling temperature of the pass@n samples",
+    )
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if self.rollout_backend == "hf" and self.vllm_tensor_parallel_size > 1:
+            problems.append(
+                f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size} needs --rollout_backend vllm or auto "
+                "(an HF generate engine runs on one device)"
+            )
+        return problems
 
 
 # ---------------------------------------------------------------- stages
@@ -329,7 +372,11 @@ class RLConfig(TrainingConfig, PromptConfig):
     )
     ckpt_path: str = _ckpt_path("./ckpt/checkpoints_ppo_ray")
     eval_split: str = _eval_split("train")
-    max_len: int | None = _max_len(None)
+    max_len: int | None = Field(
+        None, ge=2,
+        description="prompt + response token budget: each response stops at max_len - prompt length (and at "
+        "--generate_max_len); unset: --prompt_max_len + --generate_max_len",
+    )
     max_samples: int = _max_samples(100_000_000)
     micro_train_batch_size: int = _micro_train_batch_size(4)
 
@@ -344,15 +391,6 @@ class RLConfig(TrainingConfig, PromptConfig):
     colocate_actor_ref: bool = Field(False, description="actor and reference model share GPUs")
     colocate_critic_reward: bool = Field(False, description="critic and reward model share GPUs")
     colocate_all_models: bool = Field(False, description="all models and the vLLM engines share GPUs (hybrid engine)")
-    rollout_backend: RolloutBackend = Field(
-        "auto", description="generation engine: vllm, hf (transformers generate), or auto (vllm when installed)",
-    )
-    vllm_num_engines: int = Field(1, ge=1, description="rollout engines (vLLM, or HF generate with the hf backend)")
-    vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (tensor parallelism)")
-    vllm_gpu_memory_utilization: float = Field(
-        0.95, gt=0, le=1, description="fraction of GPU memory a vLLM engine may use",
-    )
-    enforce_eager: bool = Field(False, description="run vLLM without CUDA graphs")
     vllm_enable_sleep: bool = Field(
         False, description="vLLM engines release GPU memory while the models train (needs --colocate_all_models)",
     )
@@ -360,15 +398,19 @@ class RLConfig(TrainingConfig, PromptConfig):
         False, description="DeepSpeed models release GPU memory while vLLM generates (needs --colocate_all_models)",
     )
     vllm_sync_backend: Literal["nccl", "gloo"] = Field(
-        "nccl", description="collective backend for actor-to-vLLM weight sync (gloo on CPU)",
+        "nccl",
+        description="torch.distributed backend of the group that broadcasts the actor's weights to the rollout "
+        "engines after each step (nccl on GPUs, gloo on CPU)",
+    )
+    vllm_sync_bucket_mb: int = Field(
+        256, ge=1,
+        description="weight sync sends parameters in buckets of at most this many MiB (ZeRO-3 gathers one bucket at "
+        "a time), never the whole model at once",
     )
 
     num_episodes: int = Field(1, ge=1, description="passes over the prompt dataset")
     rollout_batch_size: int = Field(
         1024, ge=1, description="prompts per rollout (each sampled --n_samples_per_prompt times)",
-    )
-    micro_rollout_batch_size: int = Field(
-        8, ge=1, description="samples per forward pass on one rank when scoring rollouts",
     )
     n_samples_per_prompt: int | None = Field(
         None, ge=1,
@@ -386,9 +428,6 @@ class RLConfig(TrainingConfig, PromptConfig):
     )
     no_advantage_std_norm: bool = Field(
         False, description="normalise advantages by their mean only, without dividing by the std",
-    )
-    normalize_reward: bool = Field(
-        False, description="standardise reward-model scores with the mean/std stored in the reward model",
     )
     reward_clip_range: tuple[float, float] = Field((-10.0, 10.0), description="clip scalar rewards to [low, high]")
     overlong_buffer_len: int | None = Field(
@@ -416,9 +455,46 @@ class RLConfig(TrainingConfig, PromptConfig):
     dual_clip: float | None = Field(
         None, gt=1, description="dual-clip PPO bound c > 1 for negative advantages; unset: off",
     )
+    entropy_loss_coef: float | None = Field(
+        None, ge=0,
+        description="subtract coef × token entropy from the actor loss; unset: entropy is not computed, 0: logged only",
+    )
+    freezing_actor_steps: int = Field(
+        -1, ge=-1, description="train only the critic for the first N steps (critic warm-up, gae); -1 = never",
+    )
+    dynamic_filtering: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop prompt groups whose mean score lies outside "
+        "--dynamic_filtering_reward_range (no learning signal) and sample further prompts until the rollout is full",
+    )
+    dynamic_filtering_reward_range: tuple[float, float] = Field(
+        (0.0, 1.0), description="a group is kept when low < mean score of its samples < high",
+    )
+    save_best: bool = Field(
+        False,
+        description="keep the actor with the best held-out greedy reward (evaluated every --eval_steps) and make "
+        "it the stage's output instead of the last one",
+    )
+    drift_max_kl: float = Field(
+        10.0, gt=0,
+        description="training guard: warn when the mean sequence KL to the reference exceeds this (nats)",
+    )
+    drift_max_truncated_fraction: float = Field(
+        0.5, gt=0, le=1, description="training guard: warn when more than this fraction of responses hit the length cap",
+    )
+    drift_length_ratio: float = Field(
+        3.0, gt=1,
+        description="training guard: warn when the mean response length grows or shrinks by more than this factor "
+        "from the first step's",
+    )
     value_clip: float = Field(0.5, gt=0, description="critic value clip range")
     gamma: float = Field(1.0, gt=0, le=1, description="discount factor")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+
+    @property
+    def total_len(self) -> int:
+        """Prompt + response token budget of one sample (the engines' max_model_len)."""
+        return self.max_len or self.prompt_max_len + self.generate_max_len
 
     @property
     def uses_critic(self) -> bool:
@@ -489,16 +565,8 @@ class RLConfig(TrainingConfig, PromptConfig):
         for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
             if getattr(self, flag) and not self.colocate_all_models:
                 problems.append(f"--{flag} requires --colocate_all_models (sleep frees GPUs shared between models)")
-        if self.rollout_backend == "hf":
-            if self.vllm_enable_sleep:
-                problems.append("--vllm_enable_sleep needs vLLM engines: not with --rollout_backend hf")
-            if self.vllm_tensor_parallel_size > 1:
-                problems.append(
-                    f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size} needs --rollout_backend vllm or "
-                    "auto (an HF generate engine runs on one device)"
-                )
-        if self.vllm_sync_backend == "nccl" and self.device == "cpu":
-            problems.append("--vllm_sync_backend nccl needs GPUs: use gloo with --device cpu")
+        if self.rollout_backend == "hf" and self.vllm_enable_sleep:
+            problems.append("--vllm_enable_sleep needs vLLM engines: not with --rollout_backend hf")
         ranks = self.role_ranks()
         if self.colocate_all_models:
             engine_gpus = self.vllm_num_engines * self.vllm_tensor_parallel_size
@@ -555,6 +623,22 @@ class RLConfig(TrainingConfig, PromptConfig):
                 problems.append(f"--kl_estimator {self.kl_estimator} is unused with --init_kl_coef 0 (no KL term)")
             if self.kl_target is not None:
                 problems.append("--kl_target adapts --init_kl_coef, which is 0: set --init_kl_coef > 0")
+        if self.freezing_actor_steps > 0 and not self.uses_critic:
+            problems.append(
+                f"--freezing_actor_steps {self.freezing_actor_steps} warms up a critic: it needs --advantage_estimator gae"
+            )
+        if self.dynamic_filtering:
+            if self.n_samples_per_prompt < 2:
+                problems.append("--dynamic_filtering drops groups whose samples all score alike: it needs "
+                                "--n_samples_per_prompt >= 2")
+            if not self.remote_rm_url:
+                problems.append("--dynamic_filtering compares scores with --dynamic_filtering_reward_range: it needs a "
+                                "rule reward (--remote_rm_url), not a reward model")
+            low, high = self.dynamic_filtering_reward_range
+            if low >= high:
+                problems.append(f"--dynamic_filtering_reward_range {low} {high}: low must be below high")
+        if self.save_best and not (self.eval_dataset and self.eval_steps > 0):
+            problems.append("--save_best keeps the best evaluated actor: it needs --eval_dataset and --eval_steps > 0")
         low, high = self.reward_clip_range
         if low >= high:
             problems.append(f"--reward_clip_range {low} {high}: low must be below high")
@@ -569,19 +653,24 @@ class RLConfig(TrainingConfig, PromptConfig):
 
 
 class EvaluateConfig(RankLayout, PromptConfig):
-    """Held-out evaluation of a policy against its reference: `python -m stages.evaluate`; writes a report.
+    """Held-out evaluation of a policy against its reference (and the production policy): `python -m stages.evaluate`.
 
-    Scores with the reward model, the reward function, or both.
+    Every model answers the prompts through the rollout engines: greedy answers (accuracy with a reward function,
+    mean reward-model score) and --eval_n_samples_per_prompt samples (pass@n); the policy's KL to the reference is
+    estimated on its own samples. Writes metrics.json and samples.jsonl.
     """
 
     pretrain: str | None = Field(None, description="policy to evaluate (HF dir, hub name or s3:// URI)")
     ref_pretrain: str | None = Field(
         None, description="reference policy to compare with (KL, reward gain, accuracy); unset: no comparison",
     )
-    temperature: float = Field(
-        0.0, ge=0, description="sampling temperature of the scored responses; 0 = greedy decoding",
+    production_pretrain: str | None = Field(
+        None, description="the policy in production, scored on the same prompts (production_* metrics); unset: none",
     )
-    micro_rollout_batch_size: int = Field(16, ge=1, description="prompts per generate/score batch on one rank")
+    num_gpus_per_node: int = Field(
+        8, ge=1, description="ranks per node of the reward model that scores responses (with --reward_pretrain)",
+    )
+    micro_rollout_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward on one rank")
 
 
 STAGE_CONFIGS: dict[str, type[StageConfig]] = {

@@ -135,8 +135,11 @@ class ActorGroup:
 
     def run_sharded(self, method: str, shards: list[Any], **kwargs: Any) -> list[Any]:
         """Call `method` on rank i with shards[i]."""
+        return ray.get(self.run_sharded_async(method, shards, **kwargs))
+
+    def run_sharded_async(self, method: str, shards: list[Any], **kwargs: Any) -> list[ray.ObjectRef]:
         assert len(shards) == self.world_size, f"{self.name}: {len(shards)} shards for {self.world_size} ranks"
-        return ray.get([getattr(a, method).remote(s, **kwargs) for a, s in zip(self.actors, shards)])
+        return [getattr(a, method).remote(s, **kwargs) for a, s in zip(self.actors, shards)]
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -1,9 +1,14 @@
-"""Evaluation of a policy against its reference on held-out prompts.
+"""Held-out evaluation of a policy against its reference (and the production policy), through the rollout engines.
 
-For the policy and the reference: task accuracy of greedy answers (rule reward), mean reward-model score of those
-answers, mean response length. For the policy: KL(policy || reference), estimated per prompt as the sum over
-response tokens of log π − log π_ref on responses sampled from the policy at temperature 1, averaged over prompts.
-Prompts are sharded over the ranks of an actor group.
+Each model answers the held-out prompts with the same engines RL samples with (vLLM where installed), in the
+models' dtype: greedy answers, scored by the reward function (accuracy with a 0/1 rule reward) and by the reward
+model on the very token ids generated, and `--eval_n_samples_per_prompt` samples at `--eval_temperature` for pass@n.
+The policy's KL to the reference is estimated on the policy's own samples at temperature 1: the sum over response
+tokens of log π − log π_ref (the reference's log-probs are teacher-forced through its engine), averaged over prompts.
+Models of the same architecture are swapped into the running engines instead of starting new ones.
+
+Metrics: `accuracy`, `pass1`, `pass<n>`, `reward_mean`, `response_length`, `truncated_fraction` for the policy,
+the same with a `reference_` / `production_` prefix for the others, and `kl_mean`.
 
     python -m stages.evaluate --config tiny --pretrain ./policy --ref_pretrain ./sft --reward_pretrain ./rm \
         --remote_rm_url reward.py --prompt_data prompts_eval.jsonl --save_path ./report
@@ -17,128 +22,165 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.placement_group import placement_group
 
-from stages import algorithms as algo
 from stages import data
 from stages import engine as ds
-from stages.distributed import ActorGroup, RankWorker, cluster_device, init_ray
+from stages.distributed import ActorGroup, Placement, cluster_device, init_ray
 from stages.launch import stage_main
-from stages.rewards import load_reward_function
-from stages.rl import build_sequences
-from stages.trainer import chunks, next_token_log_probs
+from stages.rewards import load_reward_source
+from stages.roles import RewardModelWorker, bundle_resources
+from stages.rollout import Rollout, create_rollout_engines, generate_across
+from stages.sequences import build_sequences, split_rows
+from stages.tracking import StepLog
+
+SAMPLES_SHOWN_PER_MODEL = 4
 
 
-class EvalWorker(RankWorker):
-    def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_causal_lm, load_tokenizer, load_value_model
+def same_architecture(path_a: str, path_b: str) -> bool:
+    """Whether one model's weights can be loaded into an engine built for the other."""
+    from transformers import AutoConfig
 
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        torch.manual_seed(cfg.seed + self.rank)
-        self.tokenizer = load_tokenizer(cfg.pretrain, padding_side="left")
-        self.policy = load_causal_lm(cfg.pretrain).eval().to(self.device)
-        self.reference = load_causal_lm(cfg.ref_pretrain).eval().to(self.device) if cfg.ref_pretrain else None
-        self.reward_model = (load_value_model(cfg.reward_pretrain).eval().to(self.device) if cfg.reward_pretrain
-                             else None)
-        self.reward_fn = load_reward_function(cfg.remote_rm_url) if cfg.remote_rm_url else None
-
-    @torch.no_grad()
-    def generate(self, model, prompt_ids: list[list[int]], temperature: float) -> list[list[int]]:
-        """Response ids (up to and including eos) per prompt; temperature 0 is greedy decoding."""
-        greedy = temperature == 0
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        input_ids, attention_mask = (t.to(self.device) for t in data.pad_sequences(prompt_ids, pad, side="left"))
-        output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.cfg.generate_max_len,
-            do_sample=not greedy, temperature=None if greedy else temperature, top_p=None, top_k=None,
-            pad_token_id=pad, eos_token_id=eos,
-        )
-        responses = []
-        for row in output[:, input_ids.shape[1] :].tolist():
-            responses.append(row[: row.index(eos) + 1] if eos in row else row)
-        return responses
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def sequences(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> dict[str, torch.Tensor]:
-        batch = build_sequences(prompt_ids, response_ids, self.tokenizer.pad_token_id)
-        return {key: value.to(self.device) for key, value in batch.items()}
-
-    @torch.no_grad()
-    def rm_scores(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> torch.Tensor:
-        # The reward model was trained on prompt + response + eos token ids of the same tokenizer.
-        batch = self.sequences(prompt_ids, response_ids)
-        scores = self.reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return scores[:, 0].float().cpu()
-
-    @torch.no_grad()
-    def sequence_kl(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> torch.Tensor:
-        batch = self.sequences(prompt_ids, response_ids)
-        logp, ref_logp = (next_token_log_probs(model, batch["input_ids"], batch["attention_mask"])
-                          for model in (self.policy, self.reference))
-        kl = algo.compute_kl(logp, ref_logp, "k1")
-        return (kl * batch["action_mask"]).sum(-1).cpu()
-
-    def evaluate(self, shard: list[dict]) -> dict[str, Any]:
-        sums: dict[str, float] = {"prompts": float(len(shard))}
-        samples: list[dict] = []
-        models = {"": self.policy, "reference_": self.reference} if self.reference else {"": self.policy}
-        for batch in chunks(shard, self.cfg.micro_rollout_batch_size):
-            prompts = [p["prompt"] for p in batch]
-            prompt_ids = [p["prompt_ids"] for p in batch]
-            labels = [p["label"] for p in batch]
-            for prefix, model in models.items():
-                responses = self.generate(model, prompt_ids, self.cfg.temperature)
-                texts = [self.decode(r) for r in responses]
-                queries = [p + t for p, t in zip(prompts, texts)]
-                add(sums, f"{prefix}response_length", sum(len(r) for r in responses))
-                if self.reward_fn:
-                    correct = torch.as_tensor(self.reward_fn(queries, prompts, labels), dtype=torch.float32)
-                    add(sums, f"{prefix}accuracy", float(correct.sum()))
-                if self.reward_model is not None:
-                    add(sums, f"{prefix}reward_mean", float(self.rm_scores(prompt_ids, responses).sum()))
-                samples += [{"model": prefix.rstrip("_") or "policy", "prompt": p, "label": l, "response": t}
-                            for p, l, t in list(zip(prompts, labels, texts))[:4]]
-            if self.reference is not None:
-                sampled = self.generate(self.policy, prompt_ids, temperature=1.0)  # KL is an expectation under π
-                add(sums, "kl_mean", float(self.sequence_kl(prompt_ids, sampled).sum()))
-        return {"sums": sums, "samples": samples}
+    keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
+    a, b = (AutoConfig.from_pretrained(p).to_dict() for p in (path_a, path_b))
+    return all(a.get(k) == b.get(k) for k in keys)
 
 
-def add(sums: dict[str, float], key: str, value: float) -> None:
-    sums[key] = sums.get(key, 0.0) + value
+class Evaluation:
+    """Engines that hold one model at a time, the reward sources, and the prompts they all answer."""
+
+    def __init__(self, cfg, prompts: list[dict], pad_token_id: int, reward_group: ActorGroup | None,
+                 bundle: dict[str, float]):
+        self.cfg, self.prompts, self.pad_token_id, self.reward_group = cfg, prompts, pad_token_id, reward_group
+        self.bundle = bundle  # what each engine (each tensor-parallel rank) takes of the cluster
+        self.reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
+        self.engines: list = []
+        self.loaded: str | None = None
+        self.samples: list[dict] = []
+
+    def load(self, path: str) -> None:
+        """Put the model at `path` into the engines: a weight swap when the architecture allows it."""
+        cfg = self.cfg
+        if self.engines and same_architecture(self.loaded, path):
+            ray.get([engine.update_weights_from_path.remote(path) for engine in self.engines])
+        else:
+            for engine in self.engines:
+                ray.kill(engine)
+            self.engines = create_rollout_engines(
+                path, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
+                tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, seed=cfg.seed,
+                dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
+                enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+                num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0.0),
+            )
+        self.loaded = path
+
+    def generate(self, *, n: int, temperature: float, seed: int) -> list[Rollout]:
+        return generate_across(self.engines, [p["prompt"] for p in self.prompts], seed=seed, n=n,
+                               max_new_tokens=self.cfg.generate_max_len, temperature=temperature, top_p=1.0)
+
+    def labels(self, n: int) -> list[str]:
+        return [p["label"] for p in self.prompts for _ in range(n)]
+
+    def score(self, name: str) -> dict[str, float]:
+        """Metrics of the model in the engines, prefixed with `name_` (none for the policy)."""
+        cfg = self.cfg
+        prefix = "" if name == "policy" else f"{name}_"
+        greedy = self.generate(n=1, temperature=0.0, seed=cfg.seed)
+        metrics = {
+            "response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
+            "truncated_fraction": sum(r.finish_reason == "length" for r in greedy) / len(greedy),
+        }
+        if self.reward_source is not None:
+            rewards = self.reward_source([r.prompt + r.response_text for r in greedy], [r.prompt for r in greedy],
+                                         self.labels(1))
+            metrics["accuracy"] = float(rewards.rewards[~rewards.failed].mean())
+            k = cfg.eval_n_samples_per_prompt
+            if k:
+                sampled = self.generate(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)
+                scores = self.reward_source([r.prompt + r.response_text for r in sampled],
+                                            [r.prompt for r in sampled], self.labels(k))
+                answered = ~scores.failed.view(-1, k).any(dim=1)
+                per_prompt = scores.rewards.view(-1, k)[answered]
+                metrics["pass1"] = float(per_prompt.mean())
+                metrics[f"pass{k}"] = float(per_prompt.max(dim=1).values.mean())
+        if self.reward_group is not None:
+            batch = build_sequences([r.prompt_ids for r in greedy], [list(r.response_ids) for r in greedy],
+                                    self.pad_token_id)
+            scores = torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
+            metrics["reward_mean"] = float(scores.mean())
+        self.samples += [{"model": name, "prompt": r.prompt, "label": label, "response": r.response_text}
+                         for r, label in list(zip(greedy, self.labels(1)))[:SAMPLES_SHOWN_PER_MODEL]]
+        return {f"{prefix}{key}": value for key, value in metrics.items()}
+
+    def policy_samples(self) -> list[Rollout]:
+        """Samples of the loaded policy at temperature 1 with their log-probs: the KL is an expectation under it."""
+        return generate_across(self.engines, [p["prompt"] for p in self.prompts], seed=self.cfg.seed + 2, n=1,
+                               max_new_tokens=self.cfg.generate_max_len, temperature=1.0, top_p=1.0, logprobs=True)
+
+    def kl_to_loaded(self, samples: list[Rollout]) -> float:
+        """Mean over prompts of sum_t (log π − log π_loaded) on the policy's samples."""
+        sequences = [(r.prompt_ids, list(r.response_ids)) for r in samples]
+        per_engine = -(-len(sequences) // len(self.engines))
+        parts = ray.get([engine.score_tokens.remote(sequences[i : i + per_engine])
+                         for engine, i in zip(self.engines, range(0, len(sequences), per_engine))])
+        loaded = [lp for part in parts for lp in part]
+        return sum(sum(r.logprobs) - sum(ref) for r, ref in zip(samples, loaded)) / len(samples)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine)
 
 
 def run(cfg) -> dict[str, Any]:
     from stages.config import EvaluateConfig
-    from stages.model_io import load_tokenizer
+    from stages.model_io import load_tokenizer, resolve_model_path
 
     rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
     data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key)
-    if cfg.remote_rm_url:
-        load_reward_function(cfg.remote_rm_url)  # fail before any rank starts
-    prompts = data.build_prompt_examples(rows, load_tokenizer(cfg.pretrain), input_key=cfg.input_key,
-                                         label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
-                                         prompt_max_len=cfg.prompt_max_len)
+    models = {"policy": cfg.pretrain, "reference": cfg.ref_pretrain, "production": cfg.production_pretrain}
+    models = {name: resolve_model_path(path) for name, path in models.items() if path}
+    tokenizer = load_tokenizer(models["policy"])
+    prompts = data.build_prompt_examples(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
+                                         apply_chat_template=cfg.apply_chat_template,
+                                         prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
     init_ray()
-    group = ActorGroup(EvalWorker, cfg.world_size, cluster_device(cfg.device), name="evaluate")
+    device = cluster_device(cfg.device)
+    engine_bundles = cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
+    bundle = bundle_resources(device, engine_bundles + (cfg.world_size if cfg.reward_pretrain else 0))
+    reward_group = None
+    if cfg.reward_pretrain:
+        group = placement_group([dict(bundle) for _ in range(cfg.world_size)], strategy="PACK")
+        ray.get(group.ready())
+        reward_group = ActorGroup(RewardModelWorker, cfg.world_size, device, name="reward",
+                                  placement=Placement(group, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                                      owned=True))
+        reward_group.run("setup", cfg.model_dump(), EvaluateConfig)
+    evaluation = Evaluation(cfg, prompts, tokenizer.pad_token_id, reward_group, bundle)
     try:
-        group.run("setup", cfg.model_dump(), EvaluateConfig)
-        results = group.run_sharded("evaluate", [prompts[r :: group.world_size] for r in range(group.world_size)])
+        evaluation.load(models["policy"])
+        metrics = evaluation.score("policy")
+        samples = evaluation.policy_samples() if "reference" in models else []
+        for name in ("reference", "production"):
+            if name in models:
+                evaluation.load(models[name])
+                metrics.update(evaluation.score(name))
+                if name == "reference":
+                    metrics["kl_mean"] = evaluation.kl_to_loaded(samples)
     finally:
-        group.shutdown()
-    totals: dict[str, float] = {}
-    for result in results:
-        for key, value in result["sums"].items():
-            add(totals, key, value)
-    count = totals.pop("prompts")
-    metrics = {key: value / count for key, value in totals.items()}
-    metrics["prompts"] = int(count)
+        evaluation.close()
+        if reward_group is not None:
+            reward_group.shutdown()
+    metrics["prompts"] = len(prompts)
     ds.write_metrics(cfg.save_path, metrics)
     with open(Path(cfg.save_path) / "samples.jsonl", "w") as out:
-        for result in results:
-            for sample in result["samples"]:
-                out.write(json.dumps(sample) + "\n")
+        for sample in evaluation.samples:
+            out.write(json.dumps(sample) + "\n")
+    log = StepLog("evaluate", cfg, total_steps=0)
+    log.summary(metrics)
+    log.close()
     ray.shutdown()
     return {"metrics": metrics}
 

@@ -1,47 +1,186 @@
-"""Rule and remote rewards (`--remote_rm_url`): a Python file exposing `reward_func`, or an HTTP endpoint.
+"""Rule and remote rewards (`--remote_rm_url`): a Python file exposing `reward_func`, or HTTP endpoints.
 
-A reward function takes `(queries, prompts, labels)` — full prompt+response texts, prompt texts, dataset labels —
-and returns one float per query. An HTTP endpoint receives `{"query": [...], "prompts": [...], "labels": [...]}`
-as JSON and answers `{"rewards": [...]}`.
+A reward source is called with `(queries, prompts, labels)` — prompt + response texts, prompt texts, dataset labels
+— and answers one reward per query, as a list, a tensor, or a dict `{"rewards": ..., "scores": ..., "extra_logs":
+{...}}` (OpenRLHF's format: `scores` drive dynamic filtering and default to the rewards; `extra_logs` values are
+averaged into the step metrics). An HTTP endpoint receives `{"query": [...], "prompts": [...], "labels": [...]}` as
+JSON and answers the same dict.
+
+A reward function that raises, answers None, the wrong number of values, or a non-finite value is a bug in the
+reward, not bad luck: `RewardFunctionError` (the stage exits with code 2) names the function and the bad index.
+An endpoint that cannot be reached, times out or answers an HTTP error is bad luck: the request is retried with
+backoff on the next endpoint of the list, and samples whose every attempt failed come back marked `failed` (the
+RL stage drops them, never trains on them).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import time
+import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from stages.launch import StageInputError
 
-RewardFunction = Callable[[list[str], list[str], list[str]], torch.Tensor]
+REMOTE_ATTEMPTS = 5
+BACKOFF_BASE_S = 0.5  # waits 0.5, 1, 2, 4 s between the attempts of one request
 
 
-def load_reward_function(location: str) -> RewardFunction:
-    if location.startswith(("http://", "https://")):
-        return lambda queries, prompts, labels: _post_rewards(location, queries, prompts, labels)
-    path = Path(location)
+class RewardFunctionError(StageInputError):
+    """A reward source answered something unusable (exit 2: rerunning cannot fix it)."""
+
+
+@dataclass
+class RewardBatch:
+    """Rewards of B samples. `failed` samples have NaN rewards and must not be trained on."""
+
+    rewards: torch.Tensor
+    scores: torch.Tensor
+    failed: torch.Tensor
+    extra_logs: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def concat(cls, batches: list[RewardBatch]) -> RewardBatch:
+        weights = [int((~b.failed).sum()) for b in batches]
+        extra: dict[str, float] = {}
+        for key in {k for b in batches for k in b.extra_logs}:
+            pairs = [(b.extra_logs[key], w) for b, w in zip(batches, weights) if key in b.extra_logs and w]
+            if pairs:
+                extra[key] = sum(v * w for v, w in pairs) / sum(w for _, w in pairs)
+        return cls(torch.cat([b.rewards for b in batches]), torch.cat([b.scores for b in batches]),
+                   torch.cat([b.failed for b in batches]), extra, [e for b in batches for e in b.errors])
+
+
+def _as_values(value: Any, expected: int, source: str, what: str) -> torch.Tensor:
+    if value is None:
+        raise RewardFunctionError(f"{source} returned None for {what} of {expected} samples")
+    try:
+        if isinstance(value, torch.Tensor):
+            values = value.detach().to("cpu", torch.float32)
+        else:
+            values = torch.as_tensor(np.asarray(value, dtype=np.float64), dtype=torch.float32)
+    except (TypeError, ValueError) as error:
+        raise RewardFunctionError(f"{source} returned {what} that are not numbers: {error}") from None
+    if values.dim() == 2 and values.shape[1] == 1:
+        values = values[:, 0]
+    if values.dim() != 1 or values.numel() != expected:
+        raise RewardFunctionError(
+            f"{source} returned {what} of shape {tuple(values.shape)} for {expected} samples: expected one value "
+            "per query"
+        )
+    bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+    if bad:
+        raise RewardFunctionError(
+            f"{source} returned non-finite {what} ({values[bad[0]].item()}) at index {bad[0]}"
+            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+        )
+    return values
+
+
+def parse_reward_output(output: Any, expected: int, source: str) -> RewardBatch:
+    """Rewards (and scores, extra logs) from what a reward function or endpoint answered, checked."""
+    extra_logs: dict[str, float] = {}
+    if isinstance(output, dict):
+        if "rewards" not in output:
+            raise RewardFunctionError(f"{source} returned a dict without 'rewards' (keys: {sorted(output)})")
+        rewards = _as_values(output["rewards"], expected, source, "rewards")
+        scores = (_as_values(output["scores"], expected, source, "scores") if output.get("scores") is not None
+                  else rewards.clone())
+        for key, value in (output.get("extra_logs") or {}).items():
+            values = torch.as_tensor(np.asarray(value, dtype=np.float64)).float().flatten()
+            if values.numel():
+                extra_logs[str(key)] = float(values.mean())
+    else:
+        rewards = _as_values(output, expected, source, "rewards")
+        scores = rewards.clone()
+    return RewardBatch(rewards, scores, torch.zeros(expected, dtype=torch.bool), extra_logs)
+
+
+class RewardFunction:
+    """`reward_func(queries, prompts, labels)` from a Python file."""
+
+    def __init__(self, path: Path):
+        spec = importlib.util.spec_from_file_location(f"reward_module_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            raise RewardFunctionError(f"--remote_rm_url {path}: importing it failed: {type(error).__name__}: "
+                                      f"{error}") from error
+        self.function = getattr(module, "reward_func", None)
+        if not callable(self.function):
+            raise RewardFunctionError(f"--remote_rm_url {path}: the file defines no "
+                                      "reward_func(queries, prompts, labels)")
+        self.name = f"reward_func in {path}"
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[str]) -> RewardBatch:
+        try:
+            output = self.function(queries, prompts, labels)
+        except Exception as error:
+            raise RewardFunctionError(f"{self.name} raised {type(error).__name__}: {error}") from error
+        return parse_reward_output(output, len(queries), self.name)
+
+
+class RemoteReward:
+    """HTTP reward endpoints: the batch is split over them; a failed request moves on to the next endpoint."""
+
+    def __init__(self, urls: list[str], timeout_s: float, backoff_base_s: float = BACKOFF_BASE_S):
+        self.urls = urls
+        self.timeout_s = timeout_s
+        self.backoff_base_s = backoff_base_s
+        self.name = f"reward endpoint{'s' if len(urls) > 1 else ''} {', '.join(urls)}"
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[str]) -> RewardBatch:
+        if not queries:
+            return parse_reward_output([], 0, self.name)
+        per_chunk = math.ceil(len(queries) / len(self.urls))
+        starts = range(0, len(queries), per_chunk)
+        with ThreadPoolExecutor(max_workers=len(starts)) as pool:
+            parts = pool.map(lambda item: self._request(item[0], queries[item[1] : item[1] + per_chunk],
+                                                        prompts[item[1] : item[1] + per_chunk],
+                                                        labels[item[1] : item[1] + per_chunk]),
+                             enumerate(starts))
+            return RewardBatch.concat(list(parts))
+
+    def _request(self, chunk: int, queries: list[str], prompts: list[str], labels: list[str]) -> RewardBatch:
+        body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode()
+        errors = []
+        for attempt in range(REMOTE_ATTEMPTS):
+            url = self.urls[(chunk + attempt) % len(self.urls)]
+            if attempt:
+                time.sleep(self.backoff_base_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    answer = json.loads(response.read())
+            except (OSError, ValueError) as error:  # refused, timed out, HTTP error status, not JSON
+                errors.append(f"{url}: {type(error).__name__}: {error}")
+                continue
+            return parse_reward_output(answer, len(queries), f"reward endpoint {url}")
+        failed = torch.ones(len(queries), dtype=torch.bool)
+        nan = torch.full((len(queries),), math.nan)
+        return RewardBatch(nan, nan.clone(), failed, {}, errors)
+
+
+def load_reward_source(spec: str, timeout_s: float = 180.0) -> RewardFunction | RemoteReward:
+    """`--remote_rm_url`: a comma-separated list of http(s) URLs, or a Python file defining reward_func."""
+    parts = [part.strip() for part in spec.split(",") if part.strip()]
+    if parts and all(part.startswith(("http://", "https://")) for part in parts):
+        return RemoteReward(parts, timeout_s)
+    path = Path(spec)
     if not path.is_file():
         # Relative paths also resolve against the project root, so presets work from any working directory.
-        path = Path(__file__).resolve().parent.parent / location
+        path = Path(__file__).resolve().parent.parent / spec
     if not path.is_file() or path.suffix != ".py":
-        raise StageInputError(f"--remote_rm_url {location}: not an http(s) URL nor a Python file")
-    spec = importlib.util.spec_from_file_location(f"reward_module_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "reward_func", None)):
-        raise StageInputError(f"--remote_rm_url {location}: the file defines no reward_func(queries, prompts, labels)")
-    return module.reward_func
-
-
-def _post_rewards(url: str, queries: list[str], prompts: list[str], labels: list[str]) -> torch.Tensor:
-    body = json.dumps({"query": queries, "prompts": prompts, "labels": labels}).encode()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        rewards = json.loads(response.read())["rewards"]
-    if len(rewards) != len(queries):
-        raise ValueError(f"reward endpoint {url} returned {len(rewards)} rewards for {len(queries)} queries")
-    return torch.tensor(rewards, dtype=torch.float32)
+        raise StageInputError(f"--remote_rm_url {spec}: not http(s) URLs nor a Python file")
+    return RewardFunction(path)

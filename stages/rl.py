@@ -1,26 +1,29 @@
-"""RL fine-tuning from rollouts: GRPO, RLOO, REINFORCE++ and friends (`--advantage_estimator`).
+"""RL fine-tuning from rollouts: PPO with a critic, GRPO, RLOO, REINFORCE++ and friends (`--advantage_estimator`).
 
 One step, as the driver runs it:
-  1. take `rollout_batch_size` prompts, generate `n_samples_per_prompt` responses each with the rollout engines
-     (vLLM, or HF generate where vLLM is not installed);
-  2. score them: a rule function (`--remote_rm_url file.py`), an HTTP endpoint, or the reward model;
-  3. log-probs of the responses under the actor (at rollout time) and the reference model;
-  4. advantages (stages/algorithms.py), then `max_epochs` passes of PPO-clip updates in optimizer steps of
-     `train_batch_size` samples, with the KL either in the reward or in the loss (`--use_kl_loss`);
-  5. push the new actor weights into the rollout engines; checkpoint every `save_steps`.
+  1. take prompts from the prompt stream and sample `n_samples_per_prompt` responses each with the rollout
+     engines (vLLM, or HF generate where vLLM is not installed);
+  2. score them: a rule function or HTTP endpoints (`--remote_rm_url`), or the reward model. Prompt groups whose
+     remote reward failed, and with `--dynamic_filtering` groups without learning signal, are dropped and
+     replaced by further prompts until the rollout holds `rollout_batch_size` groups;
+  3. log-probs of the responses under the actor and the reference, values under the critic (gae);
+  4. advantages and returns (stages/algorithms.py), then `max_epochs` passes of PPO updates of the critic and
+     the actor in optimizer steps of `train_batch_size` samples, the KL either in the reward or in the loss;
+  5. send the actor's new weights to the engines; evaluate, warn on drift, checkpoint every `save_steps`.
 
     python -m stages.rl --config tiny --pretrain ./sft --remote_rm_url reward.py --prompt_data prompts.jsonl \
         --advantage_estimator group_norm --use_kl_loss --kl_estimator k3 --save_path ./policy
+    python -m stages.rl --config llama3-8b --pretrain ./sft --reward_pretrain ./rm --save_path ./ppo   # PPO
 """
 
 from __future__ import annotations
 
 import json
-import math
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -28,169 +31,118 @@ import torch
 from stages import algorithms as algo
 from stages import data
 from stages import engine as ds
-from stages.distributed import ActorGroup, Placement, RankWorker, cluster_device, init_ray, make_placement
+from stages.distributed import cluster_device, init_ray
 from stages.launch import StageInputError, stage_main
-from stages.rewards import load_reward_function
-from stages.trainer import chunks, next_token_log_probs
+from stages.rewards import RewardBatch, load_reward_source
+from stages.roles import Roles
+from stages.rollout import Rollout, generate_across
+from stages.sequences import build_sequences, split_rows
+from stages.tracking import PhaseTimer, StepLog, phase_seconds
+from stages.trainer import chunks
 
-EXPERIENCE_KEYS = ("input_ids", "attention_mask", "action_mask", "old_logp", "ref_logp", "advantages")
-
-
-# ----------------------------------------------------------------------------- rank actors
-
-class PolicyWorker(RankWorker):
-    """One rank of the actor (the policy being trained)."""
-
-    def setup(self, cfg_dict: dict, config_cls: type, total_optimizer_steps: int) -> None:
-        from stages.model_io import load_causal_lm, resolve_model_path
-
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
-        ds.seed_everything(cfg.seed)
-        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                        micro_batch_size=cfg.micro_train_batch_size)
-        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        path = resolve_model_path(cfg.pretrain)
-        model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=dtype), ds_config)
-        self.engine = ds.build_train_engine(model, cfg, ds_config, learning_rate=cfg.actor_learning_rate,
-                                            total_steps=total_optimizer_steps)
-
-    @torch.no_grad()
-    def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self.engine.eval()
-        return sequence_log_probs(self.engine, batch, self.cfg.micro_train_batch_size, self.cfg.temperature)
-
-    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
-        """One optimizer step over this rank's share of the step's samples (micro-batches accumulate)."""
-        cfg = self.cfg
-        self.engine.train()
-        eps_low, eps_high = cfg.eps_clip_low_high or (cfg.eps_clip, cfg.eps_clip)
-        scale = ds.global_loss_scale(self.engine)
-        device = next(self.engine.module.parameters()).device
-        totals = {"policy_loss": 0.0, "kl_loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
-        num_samples = shard["input_ids"].shape[0]
-        for start in range(0, num_samples, cfg.micro_train_batch_size):
-            micro = {k: v[start : start + cfg.micro_train_batch_size].to(device) for k, v in shard.items()}
-            mask = micro["action_mask"]
-            logits = self.engine(input_ids=micro["input_ids"],
-                                 attention_mask=micro["attention_mask"]).logits[:, :-1] / cfg.temperature
-            logp = algo.token_log_probs(logits, micro["input_ids"][:, 1:])
-            loss_t, clipped = algo.policy_loss(logp, micro["old_logp"], micro["advantages"], eps_low, eps_high,
-                                               cfg.dual_clip)
-            policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
-            loss = policy_loss
-            if cfg.use_kl_loss and cfg.init_kl_coef > 0:
-                kl_loss = algo.aggregate_token_loss(algo.compute_kl(logp, micro["ref_logp"], cfg.kl_estimator),
-                                                    mask, step_tokens)
-                loss = loss + cfg.init_kl_coef * kl_loss
-                totals["kl_loss"] += kl_loss.item()
-            self.engine.backward(loss * scale)
-            self.engine.step()
-            with torch.no_grad():
-                totals["policy_loss"] += policy_loss.item()
-                totals["clip_fraction"] += float(algo.masked_sum(clipped, mask)) / step_tokens
-                totals["entropy"] += float(algo.masked_sum(algo.entropy_from_logits(logits), mask)) / step_tokens
-        return totals
-
-    def rollout_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full weights for the rollout engines (rank 0 only; every rank joins the ZeRO-3 gather)."""
-        state = ds.gathered_state_dict(self.engine)
-        return state if self.rank == 0 else None
-
-    def save_checkpoint(self, step: int, client_state: dict) -> None:
-        ds.save_checkpoint(self.engine, self.cfg.ckpt_path, step, client_state, tag="actor")
-
-    def load_checkpoint(self, step: int) -> dict:
-        return ds.load_checkpoint(self.engine, self.cfg.ckpt_path, step, tag="actor")
-
-    def export(self, save_path: str) -> None:
-        from stages.model_io import load_tokenizer
-
-        ds.export_hf(self.engine, load_tokenizer(self.cfg.pretrain), save_path)
+# Phases that follow one another within a step; whatever else the step took is reported as idle.
+SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "training", "weight_sync", "evaluation",
+                     "checkpoint")
+ACTOR_KEYS = ("input_ids", "attention_mask", "action_mask", "old_logp", "ref_logp", "advantages")
+CRITIC_KEYS = ("input_ids", "attention_mask", "action_mask", "old_values", "returns")
 
 
-class ReferenceWorker(RankWorker):
-    """One rank of the frozen reference model."""
-
-    def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_causal_lm, resolve_model_path
-
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
-        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                        micro_batch_size=cfg.micro_train_batch_size, train=False)
-        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        path = resolve_model_path(cfg.ref_pretrain or cfg.pretrain)
-        self.model = ds.build_inference_engine(ds.load_for_zero(lambda: load_causal_lm(path, dtype=dtype),
-                                                                ds_config), ds_config, self.device)
-
-    @torch.no_grad()
-    def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sequence_log_probs(self.model, batch, self.cfg.micro_train_batch_size, self.cfg.temperature)
+class RewardUnavailableError(RuntimeError):
+    """No sample of a rollout got a reward: the endpoints are down. Retryable (the stage resumes later)."""
 
 
-class RewardModelWorker(RankWorker):
-    """One rank of the reward model. It scores the token ids of prompt + response (+ eos), so it must share the
-    actor's tokenizer, as a reward model trained from the SFT checkpoint does."""
+# ----------------------------------------------------------------------------- prompts and rewards
 
-    def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_value_model, resolve_model_path
+class PromptStream:
+    """The prompts in a seeded order, one episode after the other; `position` counts the prompts taken."""
 
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
-        self.model = load_value_model(resolve_model_path(cfg.reward_pretrain)).eval().to(self.device)
-        stats = {k: getattr(self.model.config, k, None) for k in ("reward_mean", "reward_std")}
-        if cfg.normalize_reward and None in stats.values():
-            raise StageInputError(f"--normalize_reward: reward model {cfg.reward_pretrain} has no reward_mean/"
-                                  "reward_std in its config.json (train it with stages.reward_model and an eval set)")
-        self.stats = stats
+    def __init__(self, prompts: list[dict], seed: int, num_episodes: int, position: int = 0):
+        self.prompts, self.seed, self.num_episodes, self.position = prompts, seed, num_episodes, position
+        self._orders: dict[int, list[int]] = {}
 
-    @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        rewards = []
-        for start in range(0, batch["input_ids"].shape[0], self.cfg.micro_rollout_batch_size):
-            ids = batch["input_ids"][start : start + self.cfg.micro_rollout_batch_size].to(self.device)
-            mask = batch["attention_mask"][start : start + self.cfg.micro_rollout_batch_size].to(self.device)
-            rewards.append(self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().cpu())
-        reward = torch.cat(rewards)
-        if self.cfg.normalize_reward:
-            reward = (reward - self.stats["reward_mean"]) / max(self.stats["reward_std"], 1e-8)
-        return reward
+    @property
+    def size(self) -> int:
+        return len(self.prompts) * self.num_episodes
+
+    def take(self, count: int) -> list[dict]:
+        taken: list[dict] = []
+        while len(taken) < count and self.position < self.size:
+            episode, index = divmod(self.position, len(self.prompts))
+            if episode not in self._orders:
+                generator = torch.Generator().manual_seed(self.seed * 7919 + episode)
+                self._orders[episode] = torch.randperm(len(self.prompts), generator=generator).tolist()
+            part = self._orders[episode][index : index + count - len(taken)]
+            taken += [self.prompts[i] for i in part]
+            self.position += len(part)
+        return taken
 
 
-def sequence_log_probs(model, batch: dict[str, torch.Tensor], micro_batch_size: int,
-                      temperature: float) -> torch.Tensor:
-    """Log-probs of the sampling distribution (logits / temperature), as the rollout engines sampled from."""
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
-        ids = batch["input_ids"][start : start + micro_batch_size].to(device)
-        mask = batch["attention_mask"][start : start + micro_batch_size].to(device)
-        out.append(next_token_log_probs(model, ids, mask, temperature).cpu())
-    return torch.cat(out)
+@dataclass
+class Scorer:
+    """Scalar rewards of rollouts: a rule function / HTTP endpoints, or the reward model group."""
+
+    source: Any  # RewardFunction | RemoteReward | None
+    reward_group: Any  # ActorGroup of RewardModelWorker | None
+    pad_token_id: int
+
+    def __call__(self, rollouts: list[Rollout], labels: list[str]) -> RewardBatch:
+        if self.source is not None:
+            return self.source([r.prompt + r.response_text for r in rollouts], [r.prompt for r in rollouts], labels)
+        batch = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
+                                self.pad_token_id)
+        rewards = torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
+        return RewardBatch(rewards, rewards.clone(), torch.zeros(len(rollouts), dtype=torch.bool))
 
 
-# ----------------------------------------------------------------------------- driver helpers
+@dataclass
+class RolloutBatch:
+    """`rollout_batch_size` groups of `n` samples each, and what it took to fill them."""
 
-def split_rows(tensors: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """Contiguous, equal-as-possible row slices, one per rank."""
-    rows = next(iter(tensors.values())).shape[0]
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    return [{k: v[bounds[i] : bounds[i + 1]] for k, v in tensors.items()} for i in range(parts)]
+    rollouts: list[Rollout] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    rewards: list[RewardBatch] = field(default_factory=list)
+    prompts_sampled: int = 0
+    groups_filtered: int = 0
+    reward_failed_samples: int = 0
 
 
-def gather_log_probs(group: ActorGroup, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat(group.run_sharded("log_probs", split_rows(batch, group.world_size)))
-
-
-def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict:
-    """Right-padded prompt+response sequences; action_mask[t] marks positions whose next token is a response
-    token (aligned with log-probs, which have length T-1)."""
-    input_ids, attention_mask = data.pad_sequences([p + r for p, r in zip(prompt_ids, response_ids)], pad_id)
-    action_mask = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        action_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
+def collect_rollouts(cfg, roles: Roles, stream: PromptStream, scorer: Scorer, step: int,
+                     timer: PhaseTimer) -> RolloutBatch | None:
+    """Sample and score prompt groups until the rollout is full; None when the prompt stream runs out first."""
+    n = cfg.n_samples_per_prompt
+    low, high = cfg.dynamic_filtering_reward_range
+    batch = RolloutBatch()
+    groups, attempt = 0, 0
+    while groups < cfg.rollout_batch_size:
+        prompts = stream.take(cfg.rollout_batch_size - groups)
+        if not prompts:
+            return None
+        batch.prompts_sampled += len(prompts)
+        with timer.phase("generation"):
+            rollouts = generate_across(roles.engines, [p["prompt"] for p in prompts],
+                                       seed=cfg.seed * 100_003 + step * 101 + attempt * 7, n=n,
+                                       max_new_tokens=cfg.generate_max_len, temperature=cfg.temperature,
+                                       top_p=cfg.top_p, max_total_len=cfg.max_len)
+        labels = [prompts[i // n]["label"] for i in range(len(rollouts))]
+        with timer.phase("reward"):
+            rewards = scorer(rollouts, labels)
+        if bool(rewards.failed.all()):
+            raise RewardUnavailableError(f"no sample of step {step + 1} got a reward: " + "; ".join(rewards.errors[-3:]))
+        for g in range(len(prompts)):
+            group = slice(g * n, (g + 1) * n)
+            if bool(rewards.failed[group].any()):
+                batch.reward_failed_samples += n
+                continue
+            if cfg.dynamic_filtering and not low < float(rewards.scores[group].mean()) < high:
+                batch.groups_filtered += 1
+                continue
+            batch.rollouts += rollouts[group]
+            batch.labels += labels[group]
+            batch.rewards.append(RewardBatch(rewards.rewards[group], rewards.scores[group], rewards.failed[group],
+                                             rewards.extra_logs))
+            groups += 1
+        attempt += 1
+    return batch
 
 
 def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
@@ -203,235 +155,355 @@ def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: 
     return rewards.clamp(low, high)
 
 
-class Roles:
-    """The Ray actor groups and rollout engines of one RL run, placed together or apart."""
+# ----------------------------------------------------------------------------- one step
 
-    def __init__(self, cfg, device: str):
-        from stages.rollout import create_rollout_engines
-
-        ranks = cfg.role_ranks()  # actor, plus ref with a KL term and reward without --remote_rm_url
-        actor_placement = ref_placement = reward_placement = None
-        engine_resources: dict[str, Any] = {}
-        if cfg.colocate_all_models:
-            # One bundle per actor rank; every role (engines included) takes an equal fraction of each bundle.
-            shared = make_placement(ranks["actor"], device)
-            share = math.floor(100 / (len(ranks) + 1)) / 100
-            gpu_share = share if device == "cuda" else 0.0
-            actor_placement = Placement(shared.group, num_cpus=share, num_gpus=gpu_share, owned=True)
-            ref_placement = reward_placement = Placement(shared.group, num_cpus=share, num_gpus=gpu_share)
-            engine_resources = dict(placement_group=shared.group, num_cpus=share, num_gpus=gpu_share)
-        self.actor = ActorGroup(PolicyWorker, ranks["actor"], device, placement=actor_placement, name="actor")
-        self.ref = (ActorGroup(ReferenceWorker, ranks["ref"], device, placement=ref_placement, name="ref")
-                    if "ref" in ranks else None)
-        self.reward = (ActorGroup(RewardModelWorker, ranks["reward"], device, placement=reward_placement,
-                                  name="reward") if "reward" in ranks else None)
-        self.engines = create_rollout_engines(
-            cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
-            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
-            seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32",
-            max_model_len=cfg.prompt_max_len + cfg.generate_max_len, **engine_resources,
-        )
-
-    def shutdown(self) -> None:
-        # The actor group owns the shared placement group: shut it down last.
-        for engine in self.engines:
-            ray.kill(engine)
-        for group in (self.ref, self.reward, self.actor):
-            if group is not None:
-                group.shutdown()
-
-
-def generate(engines, prompts: list[str], cfg, seed: int, *, n: int, temperature: float) -> list:
-    per_engine = chunks(prompts, math.ceil(len(prompts) / len(engines)))
-    refs = [engine.generate.remote(part, n=n, max_new_tokens=cfg.generate_max_len, temperature=temperature,
-                                   top_p=cfg.top_p, seed=seed + i)
-            for i, (engine, part) in enumerate(zip(engines, per_engine))]
-    return [rollout for part in ray.get(refs) for rollout in part]
-
-
-@dataclass
-class Scorer:
-    """Scalar rewards of rollouts: a rule/HTTP reward function, or the reward model group."""
-
-    reward_fn: Callable | None
-    reward_group: ActorGroup | None
-    pad_token_id: int
-
-    def __call__(self, rollouts: list, prompts: list[str], labels: list[str]) -> torch.Tensor:
-        if self.reward_fn is not None:
-            queries = [p + r.response_text for p, r in zip(prompts, rollouts)]
-            return torch.as_tensor(self.reward_fn(queries, prompts, labels), dtype=torch.float32)
-        batch = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
-                                self.pad_token_id)
-        return torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
-
-
-def evaluate_greedy(cfg, roles: Roles, eval_prompts: list[dict], scorer: Scorer) -> float:
-    """Mean reward of greedy answers to the held-out prompts (task accuracy with a 0/1 rule reward)."""
-    rollouts = generate(roles.engines, [p["prompt"] for p in eval_prompts], cfg, seed=cfg.seed, n=1, temperature=0.0)
-    return float(scorer(rollouts, [p["prompt"] for p in eval_prompts], [p["label"] for p in eval_prompts]).mean())
-
-
-def push_weights(roles: Roles) -> None:
-    """Every actor rank joins the gather; rank 0's weights go to the engines straight from the object store."""
-    refs = roles.actor.run_async("rollout_weights")
-    ray.get([engine.update_weights.remote(refs[0]) for engine in roles.engines] + refs[1:])
-
-
-# ----------------------------------------------------------------------------- the loop
-
-def run(cfg) -> dict[str, Any]:
-    from stages.config import RLConfig
-    from stages.model_io import load_tokenizer, resolve_model_path
-
-    if cfg.advantage_estimator == "gae":
-        raise StageInputError("--advantage_estimator gae needs the critic of PPO, which this stage does not run yet;"
-                              " use group_norm, rloo, reinforce, reinforce_baseline or dr_grpo")
-    reward_fn = load_reward_function(cfg.remote_rm_url) if cfg.remote_rm_url else None
-    rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key)
-    cfg.pretrain = resolve_model_path(cfg.pretrain)  # rank actors and engines then share one local copy
-    tokenizer = load_tokenizer(cfg.pretrain)
-    prompts = data.build_prompt_examples(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
-                                         apply_chat_template=cfg.apply_chat_template,
-                                         prompt_max_len=cfg.prompt_max_len)
-    eval_prompts = []
-    if cfg.eval_dataset:
-        eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
-        data.validate_prompts(eval_rows, cfg.eval_dataset, cfg.input_key, cfg.label_key)
-        eval_prompts = data.build_prompt_examples(eval_rows, tokenizer, input_key=cfg.input_key,
-                                                  label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
-                                                  prompt_max_len=cfg.prompt_max_len)
-    steps_per_episode = len(prompts) // cfg.rollout_batch_size
-    if steps_per_episode == 0:
-        raise StageInputError(f"--prompt_data {cfg.prompt_data} has {len(prompts)} prompts, fewer than"
-                              f" --rollout_batch_size {cfg.rollout_batch_size}")
-    total_steps = steps_per_episode * cfg.num_episodes
-    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
-    optimizer_steps = total_steps * cfg.max_epochs * samples_per_step // cfg.train_batch_size
-
-    init_ray()
-    roles = Roles(cfg, cluster_device(cfg.device))
-    try:
-        cfg_dict = cfg.model_dump()
-        setups = roles.actor.run_async("setup", cfg_dict, RLConfig, optimizer_steps)
-        if roles.ref:
-            setups += roles.ref.run_async("setup", cfg_dict, RLConfig)
-        if roles.reward:
-            setups += roles.reward.run_async("setup", cfg_dict, RLConfig)
-        ray.get(setups)
-        scorer = Scorer(reward_fn, roles.reward, tokenizer.pad_token_id)
-        return train(cfg, roles, prompts, eval_prompts, tokenizer, scorer, total_steps, steps_per_episode)
-    finally:
-        roles.shutdown()
-
-
-def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], tokenizer, scorer: Scorer,
-          total_steps: int, steps_per_episode: int) -> dict[str, Any]:
-    from stages.engine import fault_injection_requested
-
-    start_step = ds.claim_checkpoints("rl", cfg) if cfg.ckpt_path else 0
-    client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
-    history: list[dict] = client_state.get("history", [])
-    kl_ctl = (algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
-              else algo.FixedKLController(cfg.init_kl_coef))
-    kl_ctl.value = client_state.get("kl_coef", kl_ctl.value)
-    if start_step:
-        print(f"[rl] resumed from the checkpoint of step {start_step}", flush=True)
-        push_weights(roles)
-    started = time.time()
-    eval_initial = client_state.get("eval_reward_initial")
-    if eval_prompts and eval_initial is None:
-        eval_initial = evaluate_greedy(cfg, roles, eval_prompts, scorer)
-        print(f"[rl] eval_reward={eval_initial:.4f} before training", flush=True)
-    for step in range(start_step, total_steps):
-        episode, index = divmod(step, steps_per_episode)
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed * 7919 + episode))
-        batch = [prompts[i] for i in order[index * cfg.rollout_batch_size : (index + 1) * cfg.rollout_batch_size]]
-        record = rl_step(cfg, roles, batch, tokenizer, scorer, kl_ctl, step)
-        if eval_prompts and cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0:
-            record["eval_reward"] = evaluate_greedy(cfg, roles, eval_prompts, scorer)
-        history.append(record)
-        if (step + 1) % max(cfg.logging_steps, 1) == 0:
-            print("[rl] " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                     for k, v in record.items()), flush=True)
-        if cfg.ckpt_path and cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-            state = {"history": history, "kl_coef": kl_ctl.value, "eval_reward_initial": eval_initial}
-            roles.actor.run("save_checkpoint", step + 1, state)
-            ds.commit_checkpoint(cfg.ckpt_path, step + 1, cfg.max_ckpt_num)
-            if fault_injection_requested("rl") and start_step == 0:
-                return {"fault_injected": True, "step": step + 1}
-    roles.actor.run("export", cfg.save_path)
-    metrics = {"steps": total_steps, "resumed_from_step": start_step, "train_seconds": round(time.time() - started, 2)}
-    if history:
-        window = history[-max(1, min(5, len(history))):]
-        metrics.update({
-            "reward_first": history[0]["reward"],
-            "reward_last": sum(r["reward"] for r in window) / len(window),
-            "kl_last": history[-1]["kl"],
-            "response_length_last": history[-1]["response_length"],
-        })
-    if eval_prompts:
-        metrics["eval_reward_initial"] = eval_initial
-        metrics["eval_reward"] = evaluate_greedy(cfg, roles, eval_prompts, scorer)
-    ds.write_metrics(cfg.save_path, metrics)
-    (Path(cfg.save_path) / "history.json").write_text(json.dumps(history, indent=1))
-    return {"metrics": metrics, "history": history}
-
-
-def rl_step(cfg, roles: Roles, batch: list[dict], tokenizer, scorer: Scorer, kl_ctl, step: int) -> dict[str, Any]:
-    n = cfg.n_samples_per_prompt
-    rollouts = generate(roles.engines, [p["prompt"] for p in batch], cfg, seed=cfg.seed * 100_003 + step * 101,
-                        n=n, temperature=cfg.temperature)
-    prompt_ids = [r.prompt_ids for r in rollouts]
-    response_ids = [list(r.response_ids) for r in rollouts]
-    prompt_texts = [batch[i // n]["prompt"] for i in range(len(rollouts))]
-    labels = [batch[i // n]["label"] for i in range(len(rollouts))]
-    raw_reward = scorer(rollouts, prompt_texts, labels)
-    experience = build_sequences(prompt_ids, response_ids, tokenizer.pad_token_id)
-    lengths = torch.tensor([len(r) for r in response_ids], dtype=torch.float32)
-    truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
-    reward = shape_rewards(cfg, raw_reward, lengths, truncated)
-
+def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, kl_ctl,
+                    timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Sequences, log-probs, values, KL, advantages and returns of one rollout batch."""
+    rollouts = batch.rollouts
+    experience = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
+                                 pad_token_id)
     mask = experience["action_mask"]
-    experience["old_logp"] = gather_log_probs(roles.actor, experience)
-    experience["ref_logp"] = (gather_log_probs(roles.ref, experience) if roles.ref
-                              else torch.zeros_like(experience["old_logp"]))
-    kl = algo.compute_kl(experience["old_logp"], experience["ref_logp"], cfg.kl_estimator) * mask
-    in_reward = roles.ref is not None and not cfg.use_kl_loss
-    experience["advantages"], _ = algo.compute_advantages(
-        cfg.advantage_estimator, reward, mask, n_samples_per_prompt=n, kl=kl if in_reward else None,
-        beta=kl_ctl.value if in_reward else 0.0, gamma=cfg.gamma, lambd=cfg.lambd,
-        std_norm=not cfg.no_advantage_std_norm,
-    )
-    sequence_kl = float(algo.masked_sum(kl, mask) / len(rollouts))
-    kl_ctl.update(sequence_kl, len(rollouts))
+    reward_batch = RewardBatch.concat(batch.rewards)
+    lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
+    truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
+    reward = shape_rewards(cfg, reward_batch.rewards, lengths, truncated)
 
-    totals: dict[str, float] = {}
-    updates = 0
-    generator = torch.Generator().manual_seed(cfg.seed * 31 + step)
-    for _ in range(cfg.max_epochs):
-        order = torch.randperm(len(rollouts), generator=generator)
-        for chunk in chunks(order.tolist(), cfg.train_batch_size):
-            step_batch = {k: experience[k][chunk] for k in EXPERIENCE_KEYS}
-            step_tokens = float(step_batch["action_mask"].sum())
-            for stats in roles.actor.run_sharded("train_step", split_rows(step_batch, roles.actor.world_size),
-                                                 step_tokens=step_tokens):
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
-            updates += 1
-    push_weights(roles)
-    return {
-        "step": step + 1,
-        "reward": float(raw_reward.mean()),
+    # Every model reads the same sequences: dispatch them all at once, note when each one's answer is in.
+    with timer.phase("experience"):
+        started = time.perf_counter()
+        pending = {"actor_logprobs": roles.actor.run_sharded_async("log_probs",
+                                                                   split_rows(experience, roles.actor.world_size))}
+        for role, method, phase in (("ref", "log_probs", "ref_logprobs"), ("critic", "values", "critic_values")):
+            if roles.get(role) is not None:
+                pending[phase] = roles.get(role).run_sharded_async(method, split_rows(experience,
+                                                                                      roles.get(role).world_size))
+        results = {}
+        for phase, refs in pending.items():  # each phase: time until that model's answers were all in
+            results[phase] = torch.cat(ray.get(refs))
+            timer.add(f"experience_{phase}", time.perf_counter() - started)
+    with timer.phase("advantages"):
+        experience["old_logp"] = results["actor_logprobs"]
+        experience["ref_logp"] = results.get("ref_logprobs", torch.zeros_like(experience["old_logp"]))
+        kl = (algo.compute_kl(experience["old_logp"], experience["ref_logp"], cfg.kl_estimator) * mask
+              if cfg.uses_reference else torch.zeros_like(mask))
+        in_reward = cfg.uses_reference and not cfg.use_kl_loss
+        values = results.get("critic_values")
+        experience["advantages"], experience["returns"] = algo.compute_advantages(
+            cfg.advantage_estimator, reward, mask, n_samples_per_prompt=cfg.n_samples_per_prompt,
+            kl=kl if in_reward else None, beta=kl_ctl.value if in_reward else 0.0, values=values, gamma=cfg.gamma,
+            lambd=cfg.lambd, std_norm=not cfg.no_advantage_std_norm,
+        )
+        if values is not None:
+            experience["old_values"] = values
+    sequence_kl = float(algo.masked_sum(kl, mask) / len(rollouts))
+    stats = {
+        "reward": float(reward_batch.rewards.mean()),
         "shaped_reward": float(reward.mean()),
         "kl": sequence_kl,
         "kl_coef": kl_ctl.value,
         "response_length": float(lengths.mean()),
         "truncated_fraction": float(truncated.float().mean()),
-        **{k: v / updates for k, v in totals.items()},
+        "advantage_std": float(algo.masked_mean((experience["advantages"] - algo.masked_mean(
+            experience["advantages"], mask)).square(), mask).sqrt()),
+        **{f"reward_{key}": value for key, value in reward_batch.extra_logs.items()},
     }
+    kl_ctl.update(sequence_kl, len(rollouts))
+    return experience, stats
+
+
+def train_on_experience(cfg, roles: Roles, experience: dict[str, torch.Tensor], step: int, gpu: bool,
+                        timer: PhaseTimer) -> tuple[dict[str, float], bool]:
+    """`max_epochs` passes of optimizer steps over the experience; returns (mean stats, whether the actor moved)."""
+    critic = roles.get("critic")
+    train_actor = not (cfg.freezing_actor_steps > 0 and step < cfg.freezing_actor_steps)
+    trained = ([critic] if critic is not None else []) + ([roles.actor] if train_actor else [])
+    keys = {id(critic): CRITIC_KEYS, id(roles.actor): ACTOR_KEYS}
+    totals: dict[str, float] = {}
+    updates = 0
+    with timer.phase("training"):
+        if cfg.deepspeed_enable_sleep and gpu:
+            # One model's training states on the GPUs at a time.
+            for group in trained:
+                group.run("reload_states")
+                _run_updates(cfg, [group], keys, experience, step, totals)
+                group.run("offload_states")
+        else:
+            _run_updates(cfg, trained, keys, experience, step, totals)
+        updates = cfg.max_epochs * -(-len(experience["input_ids"]) // cfg.train_batch_size)
+    return {key: value / updates for key, value in totals.items()}, train_actor
+
+
+def _run_updates(cfg, groups: list, keys: dict, experience: dict[str, torch.Tensor], step: int,
+                 totals: dict[str, float]) -> None:
+    generator = torch.Generator().manual_seed(cfg.seed * 31 + step)
+    for _ in range(cfg.max_epochs):
+        order = torch.randperm(len(experience["input_ids"]), generator=generator)
+        for chunk in chunks(order.tolist(), cfg.train_batch_size):
+            step_tokens = float(experience["action_mask"][chunk].sum())
+            refs = []
+            for group in groups:
+                step_batch = {key: experience[key][chunk] for key in keys[id(group)]}
+                refs += group.run_sharded_async("train_step", split_rows(step_batch, group.world_size),
+                                                step_tokens=step_tokens)
+            for stats in ray.get(refs):
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+
+
+def drift_warnings(cfg, first: dict[str, Any], record: dict[str, Any]) -> dict[str, str]:
+    """What the training guards see in this step's record, compared with the first step's: {guard: message}."""
+    warnings = {}
+    if record["kl"] > cfg.drift_max_kl:
+        warnings["kl"] = f"KL to the reference {record['kl']:.2f} > {cfg.drift_max_kl:g}"
+    if record["truncated_fraction"] > cfg.drift_max_truncated_fraction:
+        warnings["truncation"] = f"{record['truncated_fraction']:.0%} of responses hit the length cap"
+    ratio = record["response_length"] / max(first["response_length"], 1e-9)
+    if not 1 / cfg.drift_length_ratio <= ratio <= cfg.drift_length_ratio:
+        warnings["length"] = (f"mean response length {first['response_length']:.1f} -> "
+                              f"{record['response_length']:.1f}")
+    return warnings
+
+
+def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) -> dict[str, float]:
+    """Greedy reward (task accuracy with a 0/1 rule reward) and pass@n of the held-out prompts."""
+    texts, labels = [p["prompt"] for p in prompts], [p["label"] for p in prompts]
+    greedy = generate_across(roles.engines, texts, seed=cfg.seed, n=1, max_new_tokens=cfg.generate_max_len,
+                             temperature=0.0, top_p=1.0, max_total_len=cfg.max_len)
+    rewards = scorer(greedy, labels)
+    metrics = {
+        "eval_reward": float(rewards.rewards[~rewards.failed].mean()),
+        "eval_response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
+        "eval_truncated_fraction": sum(r.finish_reason == "length" for r in greedy) / len(greedy),
+    }
+    k = cfg.eval_n_samples_per_prompt
+    if k:
+        sampled = generate_across(roles.engines, texts, seed=cfg.seed + 1, n=k, max_new_tokens=cfg.generate_max_len,
+                                  temperature=cfg.eval_temperature, top_p=1.0, max_total_len=cfg.max_len)
+        scores = scorer(sampled, [label for label in labels for _ in range(k)])
+        per_prompt = scores.rewards.view(-1, k)
+        answered = ~scores.failed.view(-1, k).any(dim=1)
+        metrics["eval_pass1"] = float(per_prompt[answered].mean())
+        metrics[f"eval_pass{k}"] = float(per_prompt[answered].max(dim=1).values.mean())
+    if cfg.vllm_enable_sleep:
+        roles.engines_call("sleep")
+    return metrics
+
+
+# ----------------------------------------------------------------------------- the stage
+
+def run(cfg) -> dict[str, Any]:
+    from stages.config import RLConfig
+    from stages.model_io import load_tokenizer, resolve_model_path
+
+    reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
+    rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
+    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key)
+    eval_rows = None
+    if cfg.eval_dataset:
+        eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
+        data.validate_prompts(eval_rows, cfg.eval_dataset, cfg.input_key, cfg.label_key)
+    start_step = ds.claim_checkpoints("rl", cfg) if cfg.ckpt_path else 0
+    cfg.pretrain = resolve_model_path(cfg.pretrain)  # rank actors and engines then share one local copy
+    tokenizer = load_tokenizer(cfg.pretrain)
+    prompt_options = dict(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
+                          prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
+    prompts = data.build_prompt_examples(rows, tokenizer, **prompt_options)
+    eval_prompts = data.build_prompt_examples(eval_rows, tokenizer, **prompt_options) if eval_rows else []
+    total_steps = len(prompts) * cfg.num_episodes // cfg.rollout_batch_size
+    if total_steps == 0:
+        raise StageInputError(f"--prompt_data {cfg.prompt_data} has {len(prompts)} prompts, fewer than"
+                              f" --rollout_batch_size {cfg.rollout_batch_size} × --num_episodes {cfg.num_episodes}")
+    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    optimizer_steps = total_steps * cfg.max_epochs * samples_per_step // cfg.train_batch_size
+
+    startup = time.perf_counter()
+    init_ray()
+    device = cluster_device(cfg.device)
+    note_device_limits(cfg, device)
+    roles = Roles(cfg, device)
+    try:
+        cfg_dict = cfg.model_dump()
+        setups = roles.actor.run_async("setup", cfg_dict, RLConfig, optimizer_steps)
+        for role in ("critic", "ref", "reward"):
+            group = roles.get(role)
+            if group is not None:
+                args = (optimizer_steps,) if role == "critic" else ()
+                setups += group.run_async("setup", cfg_dict, RLConfig, *args)
+        ray.get(setups)
+        sync_bytes = roles.open_weight_sync("nccl" if device == "cuda" and cfg.vllm_sync_backend == "nccl"
+                                            else "gloo")
+        if cfg.vllm_enable_sleep:
+            roles.engines_call("sleep")
+        scorer = Scorer(reward_source, roles.get("reward"), tokenizer.pad_token_id)
+        print(f"[rl] {device}: roles {cfg.role_ranks()} + {len(roles.engines)} engine(s); weight sync "
+              f"{sync_bytes / 2**20:.1f} MiB in {len(roles.buckets)} bucket(s); start-up "
+              f"{time.perf_counter() - startup:.1f}s", flush=True)
+        return train(cfg, roles, prompts, eval_prompts, scorer, start_step, total_steps, device == "cuda",
+                     startup_seconds=time.perf_counter() - startup)
+    finally:
+        roles.shutdown()
+
+
+def note_device_limits(cfg, device: str) -> None:
+    """Say once which flags cannot act on this device, and why."""
+    if device == "cuda":
+        return
+    notes = {
+        "vllm_enable_sleep": "vLLM's sleep mode releases GPU memory; CPU engines keep theirs",
+        "deepspeed_enable_sleep": "it moves optimizer states off the GPU between phases; on CPU they already are",
+        "flash_attn": "FlashAttention-2 has CUDA kernels only; CPU ranks use the default attention",
+    }
+    for flag, why in notes.items():
+        if getattr(cfg, flag):
+            print(f"[rl] --{flag} has no effect on CPU: {why}", flush=True)
+    if cfg.vllm_sync_backend == "nccl":
+        print("[rl] --vllm_sync_backend nccl needs GPUs: the weight sync uses gloo on CPU", flush=True)
+    if not cfg.enforce_eager and cfg.rollout_backend != "hf":
+        print("[rl] vLLM on CPU runs eagerly (--enforce_eager is implied): CUDA graphs exist on GPUs only",
+              flush=True)
+
+
+def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, start_step: int,
+          total_steps: int, gpu: bool, startup_seconds: float) -> dict[str, Any]:
+    from stages.engine import fault_injection_requested
+
+    client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
+    if start_step and roles.get("critic") is not None:
+        roles.get("critic").run("load_checkpoint", start_step)
+    history: list[dict] = client_state.get("history", [])
+    kl_ctl = (algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
+              else algo.FixedKLController(cfg.init_kl_coef))
+    kl_ctl.value = client_state.get("kl_coef", kl_ctl.value)
+    stream = PromptStream(prompts, cfg.seed, cfg.num_episodes, client_state.get("prompt_position", 0))
+    best = client_state.get("best")  # {"step", "eval_reward"} of the actor kept in <ckpt_path>/best
+    best_dir = Path(cfg.ckpt_path) / "best"
+    timer = PhaseTimer()
+    log = StepLog("rl", cfg, total_steps, start_step)
+    if start_step:
+        print(f"[rl] resumed from the checkpoint of step {start_step}", flush=True)
+        roles.sync_weights()
+    eval_initial = client_state.get("eval_reward_initial")
+    if eval_prompts and eval_initial is None:
+        eval_initial = evaluate_held_out(cfg, roles, eval_prompts, scorer)["eval_reward"]
+        print(f"[rl] eval_reward={eval_initial:.4f} before training", flush=True)
+    started = time.time()
+    drifting: set[str] = set()
+    stopped_early = None
+    for step in range(start_step, total_steps):
+        step_started = time.perf_counter()
+        batch = collect_rollouts(cfg, roles, stream, scorer, step, timer)
+        if batch is None:
+            stopped_early = (f"the prompt stream ran out at step {step + 1} of {total_steps} (dynamic filtering "
+                             "dropped too many groups)")
+            print(f"[rl] {stopped_early}", flush=True)
+            break
+        if cfg.vllm_enable_sleep:
+            roles.engines_call("sleep")
+        experience, record = make_experience(cfg, roles, batch, scorer.pad_token_id, kl_ctl, timer)
+        stats, actor_moved = train_on_experience(cfg, roles, experience, step, gpu, timer)
+        record.update(stats)
+        if actor_moved:
+            with timer.phase("weight_sync"):
+                roles.sync_weights()
+        record = {"step": step + 1, **record, "prompts_sampled": batch.prompts_sampled,
+                  "groups_filtered": batch.groups_filtered, "reward_failed_samples": batch.reward_failed_samples}
+        if eval_prompts and cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0:
+            with timer.phase("evaluation"):
+                record.update(evaluate_held_out(cfg, roles, eval_prompts, scorer))
+                if cfg.save_best and (best is None or record["eval_reward"] > best["eval_reward"]):
+                    export_atomically(roles, best_dir)
+                    best = {"step": step + 1, "eval_reward": record["eval_reward"]}
+        warnings = drift_warnings(cfg, history[0] if history else record, record)
+        if warnings:
+            record["drift"] = "; ".join(warnings.values())
+            new = [message for guard, message in warnings.items() if guard not in drifting]
+            if new:
+                first_reward = (history[0] if history else record)["reward"]
+                print(f"[rl] WARNING step {step + 1}: the policy drifts ({'; '.join(new)}) while the reward went "
+                      f"{first_reward:.3f} -> {record['reward']:.3f}: check held-out quality before trusting it",
+                      flush=True)
+        drifting = set(warnings)
+        history.append(record)
+        saved = cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0
+        if saved:
+            with timer.phase("checkpoint"):
+                state = {"history": history, "kl_coef": kl_ctl.value, "eval_reward_initial": eval_initial,
+                         "prompt_position": stream.position, "best": best}
+                refs = roles.actor.run_async("save_checkpoint", step + 1, state)
+                if roles.get("critic") is not None:
+                    refs += roles.get("critic").run_async("save_checkpoint", step + 1, {})
+                ray.get(refs)
+                ds.commit_checkpoint(cfg.ckpt_path, step + 1, cfg.max_ckpt_num)
+        step_seconds = time.perf_counter() - step_started
+        record.update(throughput(experience, step_seconds))
+        record.update(timer.take())
+        record["time/idle"] = round(step_seconds - sum(record.get(f"time/{p}", 0.0) for p in SEQUENTIAL_PHASES), 4)
+        record["time/step"] = round(step_seconds, 4)
+        log.log(step + 1, record)
+        if saved and fault_injection_requested("rl") and start_step == 0:
+            return {"fault_injected": True, "step": step + 1}
+
+    metrics = final_metrics(cfg, history, start_step, total_steps, started, startup_seconds, eval_initial, best)
+    if stopped_early:
+        metrics["stopped_early"] = stopped_early
+    if eval_prompts:
+        last = evaluate_held_out(cfg, roles, eval_prompts, scorer)
+        metrics.update(last)
+        metrics["eval_reward_last"] = last["eval_reward"]
+    if cfg.save_best and best is not None:
+        shutil.copytree(best_dir, cfg.save_path, dirs_exist_ok=True)
+        metrics.update({"best_step": best["step"], "eval_reward": best["eval_reward"]})
+    else:
+        roles.actor.run("export", cfg.save_path)
+    ds.write_metrics(cfg.save_path, metrics)
+    (Path(cfg.save_path) / "history.json").write_text(json.dumps(history, indent=1))
+    log.summary(metrics)
+    log.close()
+    return {"metrics": metrics, "history": history}
+
+
+def export_atomically(roles: Roles, directory: Path) -> None:
+    """The actor as an HF model in `directory`, replacing what was there only once the export is complete."""
+    staging = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    roles.actor.run("export", str(staging))
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)
+
+
+def throughput(experience: dict[str, torch.Tensor], step_seconds: float) -> dict[str, float]:
+    samples = experience["input_ids"].shape[0]
+    tokens = float(experience["attention_mask"].sum())
+    return {"samples_per_s": samples / step_seconds, "tokens_per_s": tokens / step_seconds}
+
+
+def final_metrics(cfg, history: list[dict], start_step: int, total_steps: int, started: float,
+                  startup_seconds: float, eval_initial: float | None, best: dict | None) -> dict[str, Any]:
+    metrics: dict[str, Any] = {"steps": total_steps, "resumed_from_step": start_step,
+                               "train_seconds": round(time.time() - started, 2),
+                               "startup_seconds": round(startup_seconds, 2)}
+    if history:
+        window = history[-max(1, min(5, len(history))):]
+        this_run = history[start_step:]
+        metrics.update({
+            "reward_first": history[0]["reward"],
+            "reward_last": sum(r["reward"] for r in window) / len(window),
+            "kl_last": history[-1]["kl"],
+            "response_length_last": history[-1]["response_length"],
+            "drift_warning_steps": sum(1 for r in history if "drift" in r),
+            "reward_failed_samples": sum(r["reward_failed_samples"] for r in history),
+            "groups_filtered": sum(r["groups_filtered"] for r in history),
+            **phase_seconds(this_run),
+        })
+        if this_run:
+            metrics["samples_per_s"] = sum(r["samples_per_s"] for r in this_run) / len(this_run)
+            metrics["tokens_per_s"] = sum(r["tokens_per_s"] for r in this_run) / len(this_run)
+    if eval_initial is not None:
+        metrics["eval_reward_initial"] = eval_initial
+    if best is not None:
+        metrics["best_step"] = best["step"]
+    return metrics
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ tokens: temperature and top_p shape sampling only, as in the trainer's `token_lo
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,11 +55,15 @@ class Rollout:
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, logprobs: bool = False) -> list[Rollout]: ...
+                 seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]: ...
+    def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]: ...
+    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                         backend: str) -> None: ...
+    def receive_weights(self, buckets: list) -> None: ...
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
     def update_weights_from_path(self, path: str) -> None: ...
     def sleep(self) -> None: ...
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -98,6 +103,13 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def response_budgets(prompt_ids: list[list[int]], max_new_tokens: int, max_total_len: int | None) -> list[int]:
+    """New tokens each prompt may get: max_new_tokens, capped by max_total_len - prompt length (at least 1)."""
+    if max_total_len is None:
+        return [max_new_tokens] * len(prompt_ids)
+    return [max(1, min(max_new_tokens, max_total_len - len(ids))) for ids in prompt_ids]
+
+
 def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"generate needs n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -110,7 +122,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
                  enable_sleep: bool = False, seed: int = 0, dtype: str = "float32", max_model_len: int | None = None,
-                 use_gpu: bool = False):
+                 use_gpu: bool = False, enforce_eager: bool = False, enable_prefix_caching: bool = False):
         _torch_dtype(dtype)
         # vLLM reads these when the engine starts, so they are set before it is imported.
         os.environ.update(VLLM_ENV)
@@ -122,7 +134,7 @@ class VLLMEngine:
         self.tokenizer = load_tokenizer(local_path)
         self.tied_weights = tied_weight_names(local_path)
         self.enable_sleep = enable_sleep and use_gpu
-        self.asleep = False
+        self.sleeping: set[str] = set()  # vLLM sleep tags currently released: "weights", "kv_cache"
         self.llm = LLM(
             local_path,
             tensor_parallel_size=tensor_parallel_size,
@@ -132,24 +144,28 @@ class VLLMEngine:
             seed=seed,
             dtype=dtype,
             max_model_len=max_model_len,
-            # CUDA graphs do not exist on CPU; on GPU they are worth their capture time.
-            enforce_eager=not use_gpu,
+            # CUDA graphs do not exist on CPU.
+            enforce_eager=enforce_eager or not use_gpu,
+            enable_prefix_caching=enable_prefix_caching,
+            worker_extension_cls="stages.weight_sync.VLLMWeightReceiver",
         )
 
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, logprobs: bool = False) -> list[Rollout]:
+                 seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
         from vllm import SamplingParams
 
         _check_sampling(n, max_new_tokens, temperature, top_p)
         self.wake_up()
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
         # One request per sample: vLLM refuses n > 1 for greedy. Each sample gets its own seed, so no two
         # samples share noise, also across engines called with seeds s, s + 1, ...
         requests, params = [], []
         for k in range(len(prompts) * n):
             requests.append({"prompt_token_ids": prompt_ids[k // n]})
             params.append(SamplingParams(
-                n=1, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                n=1, max_tokens=budgets[k // n], temperature=temperature,
+                top_p=top_p if temperature > 0 else 1.0,
                 seed=None if seed is None else seed * SEED_STRIDE + k, detokenize=False,
                 logprobs=0 if logprobs else None, flat_logprobs=True,  # sampled token only, fewer objects
             ))
@@ -169,6 +185,31 @@ class VLLMEngine:
             ))
         return rollouts
 
+    def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Log-probs of each response token given its prompt and the response tokens before it (teacher forcing)."""
+        from vllm import SamplingParams
+
+        self.wake_up()
+        requests = [{"prompt_token_ids": list(prompt) + list(response)} for prompt, response in sequences]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        scored = []
+        for (prompt, response), output in zip(sequences, outputs):
+            positions = output.prompt_logprobs[len(prompt) : len(prompt) + len(response)]
+            scored.append([position[token].logprob for position, token in zip(positions, response)])
+        return scored
+
+    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                         backend: str) -> None:
+        """Join the actor's weight-sync group (every worker of this engine takes a rank from rank_offset)."""
+        self.llm.collective_rpc("init_weight_sync", args=(master_addr, master_port, rank_offset, world_size, backend))
+
+    def receive_weights(self, buckets: list) -> None:
+        """Take the actor's weights bucket by bucket from the sync group into the engine, in place."""
+        self.wake_up(["weights"])  # the KV cache stays released until the next generate
+        self.llm.collective_rpc("receive_weights", args=(buckets, self.tied_weights))
+        self._forget_cached_prompts()
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full HF-named state dict in place (vLLM fuses and shards it as when loading a checkpoint)."""
         weights = dict(state_dict)
@@ -177,7 +218,7 @@ class VLLMEngine:
         for tied, source in self.tied_weights.items():
             if tied not in weights and source in weights:
                 weights[tied] = weights[source]
-        self.wake_up()
+        self.wake_up(["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         self._forget_cached_prompts()
 
@@ -193,16 +234,18 @@ class VLLMEngine:
         """Free GPU memory (weights offloaded to host memory, KV cache dropped); a no-op without sleep mode.
 
         Level 1 keeps a host copy of every weight: a level-2 sleep would also lose buffers (rotary caches)
-        that a weight update does not restore. generate and update_weights wake the engine first.
+        that a weight update does not restore. generate and weight updates wake what they need first.
         """
-        if self.enable_sleep and not self.asleep:
+        if self.enable_sleep and not self.sleeping:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.sleeping = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the released `tags` (all by default): weights before a weight update, both to generate."""
+        for tag in ("weights", "kv_cache"):  # weights first: the KV cache is sized around them
+            if tag in self.sleeping and (tags is None or tag in tags):
+                self.llm.wake_up(tags=[tag])
+                self.sleeping.discard(tag)
 
     def close(self) -> None:
         del self.llm
@@ -229,12 +272,13 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, logprobs: bool = False) -> list[Rollout]:
+                 seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
         _check_sampling(n, max_new_tokens, temperature, top_p)
         self.wake_up()
         if seed is not None:
             torch.manual_seed(seed)
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
         # top_k=0: transformers' own default is 50, vLLM's none.
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
         rollouts: list[Rollout] = []
@@ -245,7 +289,7 @@ class HFEngine:
             out = self.model.generate(
                 input_ids=batch["input_ids"].to(self.device),
                 attention_mask=batch["attention_mask"].to(self.device),
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=max(budgets[i] for i in chunk),
                 return_dict_in_generate=True,
                 output_logits=logprobs,
                 **sampling,
@@ -255,7 +299,7 @@ class HFEngine:
                 step_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
                 token_logprobs = step_logprobs.gather(-1, generated[..., None])[..., 0]
             for row, prompt_index in enumerate(chunk):
-                ids = generated[row].tolist()
+                ids = generated[row].tolist()[: budgets[prompt_index]]
                 stop = next((t for t, token in enumerate(ids) if token in self.eos_ids), None)
                 length = len(ids) if stop is None else stop + 1
                 ids = ids[:length]
@@ -269,6 +313,39 @@ class HFEngine:
                     prompt_ids=prompt_ids[prompt_index],
                 ))
         return rollouts
+
+    @torch.no_grad()
+    def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Log-probs of each response token given its prompt and the response tokens before it (teacher forcing)."""
+        from stages.sequences import build_sequences
+        from stages.trainer import next_token_log_probs
+
+        self.wake_up()
+        scored = []
+        for start in range(0, len(sequences), self.max_batch_size):
+            chunk = sequences[start : start + self.max_batch_size]
+            batch = build_sequences([list(p) for p, _ in chunk], [list(r) for _, r in chunk],
+                                    self.tokenizer.pad_token_id)
+            logp = next_token_log_probs(self.model, batch["input_ids"].to(self.device),
+                                        batch["attention_mask"].to(self.device)).cpu()
+            for row, (prompt, response) in enumerate(chunk):
+                scored.append(logp[row, len(prompt) - 1 : len(prompt) - 1 + len(response)].tolist())
+        return scored
+
+    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                         backend: str) -> None:
+        from stages.weight_sync import open_group
+
+        self._weight_sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend,
+                                             local_addr=ray.util.get_node_ip_address(),
+                                             device=self.device if backend == "nccl" else None)
+
+    @torch.no_grad()
+    def receive_weights(self, buckets: list) -> None:
+        from stages.weight_sync import receive_buckets
+
+        self.wake_up()
+        self.update_weights(dict(receive_buckets(self._weight_sync_group, buckets, self.device)))
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -291,13 +368,27 @@ class HFEngine:
             torch.cuda.empty_cache()
             self.asleep = True
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         if self.asleep:
             self.model.to(self.device)
             self.asleep = False
 
     def close(self) -> None:
         del self.model
+
+
+def generate_across(engines: Sequence[ray.actor.ActorHandle], prompts: list[str], *, seed: int,
+                    **sampling) -> list[Rollout]:
+    """Split the prompts over the engines (engine i samples with seed + i); rollouts come back in prompt order."""
+    per_engine = math.ceil(len(prompts) / len(engines))
+    refs = [engine.generate.remote(prompts[start : start + per_engine], seed=seed + i, **sampling)
+            for i, (engine, start) in enumerate(zip(engines, range(0, len(prompts), per_engine)))]
+    rollouts = []
+    for start, part in zip(range(0, len(prompts), per_engine), ray.get(refs)):
+        for rollout in part:
+            rollout.prompt_index += start
+            rollouts.append(rollout)
+    return rollouts
 
 
 def resolve_backend(backend: Backend) -> str:
@@ -325,6 +416,8 @@ def create_rollout_engines(
     bundle_indices: Sequence[int] | None = None,
     num_cpus: float = 1.0,
     num_gpus: float | None = None,
+    enforce_eager: bool = False,
+    enable_prefix_caching: bool = False,
 ) -> list[ray.actor.ActorHandle]:
     """Start `num_engines` rollout engine actors and wait until every one has loaded its model.
 
@@ -373,6 +466,7 @@ def create_rollout_engines(
             actor = ray.remote(VLLMEngine).options(**options).remote(
                 model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
                 enable_sleep=enable_sleep, seed=seed + i, dtype=dtype, max_model_len=max_model_len, use_gpu=use_gpu,
+                enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
             )
         else:
             actor = ray.remote(HFEngine).options(**options).remote(model_path, seed=seed + i, dtype=dtype)
@@ -380,9 +474,3 @@ def create_rollout_engines(
     # Surface load errors here rather than at the first generate.
     ray.get([engine.__ray_ready__.remote() for engine in engines])
     return engines
-
-
-def push_weights(engines: Sequence[ray.actor.ActorHandle], state_dict: dict[str, torch.Tensor]) -> None:
-    """Put the state dict in the object store once and load it into every engine."""
-    ref = ray.put(state_dict)
-    ray.get([engine.update_weights.remote(ref) for engine in engines])

@@ -285,7 +285,6 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("rl", [*TINY, "--rollout_backend", "hf", "--vllm_tensor_parallel_size", "2"],
          ["needs --rollout_backend vllm"]),
         ("rl", [*TINY, "--vllm_num_engines", "0"], ["invalid value for --vllm_num_engines"]),
-        ("rl", [*TINY, "--vllm_sync_backend", "nccl"], ["--vllm_sync_backend nccl", "--device cpu"]),
         ("rl", [*TINY, "--temperature", "0"], ["--temperature 0"]),
         ("rl", [*TINY, "--reward_clip_range", "5", "-5"], ["--reward_clip_range 5.0 -5.0"]),
         ("rl", [*TINY, "--dual_clip", "0.5"], ["invalid value for --dual_clip"]),
@@ -295,7 +294,12 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("sft", [*TINY, "--save_steps", "0"], ["--save_steps 0"]),
         ("reward_model", [*RM, "--zero_stage", "0", "--adam_offload"], ["--adam_offload needs --zero_stage"]),
         ("dpo", [*TINY, "--ipo", "--label_smoothing", "0.1"], ["--label_smoothing", "--ipo"]),
-        ("evaluate", [*TINY, "--temperature", "-1"], ["invalid value for --temperature"]),
+        ("evaluate", [*TINY, "--eval_temperature", "0"], ["invalid value for --eval_temperature"]),
+        ("rl", [*TINY, "--freezing_actor_steps", "3"], ["--freezing_actor_steps 3", "gae"]),
+        ("rl", [*TINY, "--dynamic_filtering"], ["--dynamic_filtering", "--remote_rm_url"]),
+        ("rl", [*TINY, "--remote_rm_url", "r.py", "--dynamic_filtering", "--dynamic_filtering_reward_range", "1", "0"],
+         ["--dynamic_filtering_reward_range 1.0 0.0"]),
+        ("rl", [*TINY, "--save_best"], ["--save_best", "--eval_dataset"]),
     ],
 )
 def test_impossible_combinations_are_rejected_naming_the_flags(capsys, stage, argv, named):

@@ -10,14 +10,10 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages.model_io import load_causal_lm, load_tokenizer, save_hf
-from stages.rollout import (
-    create_rollout_engines,
-    encode_prompt,
-    push_weights,
-    resolve_backend,
-    vllm_available,
-)
+from stages.distributed import free_port, node_address
+from stages.rollout import create_rollout_engines, encode_prompt, resolve_backend, vllm_available
 from stages.tiny import build_tiny_model, format_response
+from stages.weight_sync import open_group, plan_buckets, send_bucket
 
 pytestmark = pytest.mark.timeout(180)
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
@@ -158,9 +154,50 @@ def test_vllm_and_hf_agree_greedily_on_the_same_weights(hf_engine, vllm_engine, 
 def test_pushed_weights_make_the_engine_follow_the_trainer(engine, model_dir, prompts, trainer_weights, tmp_path):
     before = greedy(engine, prompts)
     # Without the tied head, as trainers that save tied weights once send it: the engine must still tie it.
-    push_weights([engine], {k: v for k, v in trainer_weights.items() if k != "lm_head.weight"})
-    after = greedy(engine, prompts)
+    ray.get(engine.update_weights.remote({k: v for k, v in trainer_weights.items() if k != "lm_head.weight"}))
+    assert_follows(greedy(engine, prompts), before, model_dir, trainer_weights, prompts)
+    restore_original(engine, model_dir, tmp_path, before, prompts)
 
+
+@ray.remote
+class WeightSender:
+    """Rank 0 of a weight-sync group, holding a trainer's weights, as the actor's rank 0 does."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+
+    def endpoint(self) -> tuple[str, int]:
+        return node_address(), free_port()
+
+    def open(self, addr: str, port: int, world_size: int) -> None:
+        self.group = open_group(addr, port, 0, world_size, "gloo", local_addr=node_address())
+
+    def send(self, buckets) -> None:
+        for bucket in buckets:
+            send_bucket(self.group, [self.weights[name] for name, _, _ in bucket])
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_bucketed_weight_sync_makes_the_engine_follow_the_trainer(engine, model_dir, prompts, trainer_weights,
+                                                                  tmp_path):
+    before = greedy(engine, prompts)
+    # Tied head left out, as the actor's named parameters have it once; small buckets, so several broadcasts.
+    named = [(k, tuple(v.shape), v.dtype) for k, v in trainer_weights.items() if k != "lm_head.weight"]
+    buckets = plan_buckets(named, bucket_bytes=128 * 1024)
+    assert len(buckets) >= 5 and [entry[0] for bucket in buckets for entry in bucket] == [k for k, *_ in named]
+    assert all(sum(torch.Size(s).numel() * 4 for _, s, _ in bucket) <= 128 * 1024 or len(bucket) == 1
+               for bucket in buckets)
+    sender = WeightSender.options(num_cpus=0).remote(trainer_weights)
+    addr, port = ray.get(sender.endpoint.remote())
+    ray.get([sender.open.remote(addr, port, 2), engine.init_weight_sync.remote(addr, port, 1, 2, "gloo")])
+    ray.get([sender.send.remote(buckets), engine.receive_weights.remote(buckets)])
+    assert_follows(greedy(engine, prompts), before, model_dir, trainer_weights, prompts)
+    restore_original(engine, model_dir, tmp_path, before, prompts)
+    ray.kill(sender)
+
+
+def assert_follows(after, before, model_dir, trainer_weights, prompts) -> None:
+    """The engine answers exactly as the trainer's own model does, with the same log-probs."""
     expected = reference_greedy(model_dir, trainer_weights, prompts, max_new_tokens=12)
     for rollout, (response, logprobs) in zip(after, expected):
         assert rollout.response_ids == response
@@ -168,12 +205,32 @@ def test_pushed_weights_make_the_engine_follow_the_trainer(engine, model_dir, pr
     assert [r.response_ids for r in after] != [r.response_ids for r in before]
     assert all(r.finish_reason == "stop" for r in after)  # the trained answers end with eos
 
-    # Back to the original weights from a saved model directory: the engine answers as before again.
+
+def restore_original(engine, model_dir, tmp_path, before, prompts) -> None:
+    """Back to the original weights from a saved model directory: the engine answers as before again."""
     original = load_causal_lm(model_dir)
     save_hf(original, load_tokenizer(model_dir), tmp_path / "original")
     ray.get(engine.update_weights_from_path.remote(str(tmp_path / "original")))
-    restored = greedy(engine, prompts)
-    assert [r.response_ids for r in restored] == [r.response_ids for r in before]
+    assert [r.response_ids for r in greedy(engine, prompts)] == [r.response_ids for r in before]
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_scored_tokens_equal_the_generated_log_probs(engine, prompts):
+    """Teacher-forced log-probs of a response (how evaluation reads the reference) equal those of sampling it."""
+    rollouts = ray.get(engine.generate.remote(prompts, n=2, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=3,
+                                              logprobs=True))
+    scored = ray.get(engine.score_tokens.remote([(r.prompt_ids, r.response_ids) for r in rollouts]))
+    for rollout, logprobs in zip(rollouts, scored):
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(rollout.logprobs), atol=LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_total_length_budget_caps_each_response(engine, model_dir, prompts):
+    budget = len(encode_prompt(load_tokenizer(model_dir), prompts[0])) + 3
+    rollouts = ray.get(engine.generate.remote(prompts[:1], n=4, max_new_tokens=12, temperature=1.0, top_p=1.0,
+                                              seed=1, max_total_len=budget))
+    assert all(len(r.prompt_ids) + len(r.response_ids) <= budget for r in rollouts)
+    assert any(r.finish_reason == "length" for r in rollouts)
 
 
 def test_bad_backend_and_bundles_are_rejected(ray_local, model_dir):

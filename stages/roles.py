@@ -1,0 +1,421 @@
+"""The models of the RL stage as Ray actor groups — actor, critic, reference, reward model — and where they run.
+
+Placement (OpenRLHF's flags):
+- separate (default): each model, and the rollout engines, on bundles of its own;
+- `--colocate_actor_ref`: actor and reference share bundles; `--colocate_critic_reward`: critic and reward model;
+- `--colocate_all_models` (hybrid engine): every model and the engines share the actor's bundles.
+Models sharing a bundle each take an equal fraction of it. A bundle is one GPU (and a core) on GPUs; on CPU the
+bundles are fractions of a core sized so that the whole placement fits the cluster's cores.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from stages import algorithms as algo
+from stages import engine as ds
+from stages.distributed import ActorGroup, Placement, RankWorker, node_address, free_port
+from stages.launch import StageInputError
+from stages.sequences import micro_batches
+from stages.trainer import next_token_log_probs
+
+
+def _dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def _attention(cfg, device: str) -> str | None:
+    return "flash_attention_2" if cfg.flash_attn and device == "cuda" else None
+
+
+def reward_normalization(config) -> tuple[float, float] | None:
+    """(mean, std) stored with a reward model: ours (reward_mean/reward_std) or OpenRLHF's (mean/std)."""
+    for mean_key, std_key in (("reward_mean", "reward_std"), ("mean", "std")):
+        mean, std = getattr(config, mean_key, None), getattr(config, std_key, None)
+        if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
+            return float(mean), max(float(std), 1e-8)
+    return None
+
+
+class TokenValueModel(torch.nn.Module):
+    """A scalar-head (sequence classification) model read at every position: values [B, T].
+
+    The critic of PPO. Its head is the reward model's (`score`), so a critic started from the reward model
+    begins with the reward model's estimates; with `normalization` the values are standardised like the rewards.
+    """
+
+    def __init__(self, model: torch.nn.Module, normalization: tuple[float, float] | None = None):
+        super().__init__()
+        if not isinstance(getattr(model, "score", None), torch.nn.Module):
+            raise StageInputError(f"critic model {type(model).__name__} has no `score` value head")
+        self.model = model
+        self.normalization = normalization
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        base = getattr(self.model, self.model.base_model_prefix)
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        values = self.model.score(hidden).squeeze(-1).float()
+        if self.normalization is not None:
+            mean, std = self.normalization
+            values = (values - mean) / std
+        return values
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+
+class TrainedRole(RankWorker):
+    """A model trained with DeepSpeed inside the RL loop (actor or critic): checkpoints and GPU sleep."""
+
+    tag = ""
+
+    def save_checkpoint(self, step: int, client_state: dict) -> None:
+        ds.save_checkpoint(self.engine, self.cfg.ckpt_path, step, client_state, tag=self.tag)
+
+    def load_checkpoint(self, step: int) -> dict:
+        return ds.load_checkpoint(self.engine, self.cfg.ckpt_path, step, tag=self.tag)
+
+    def offload_states(self) -> None:
+        """--deepspeed_enable_sleep: optimizer states, gradients and master weights to host memory (GPU only)."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        # The bf16/fp32 working weights stay: log-probs and values are still computed between training phases.
+        self.engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params,
+                                            OffloadStateTypeEnum.lp_grads,
+                                            OffloadStateTypeEnum.contiguous_grad_buffer])
+        torch.cuda.empty_cache()
+
+    def reload_states(self) -> None:
+        self.engine.reload_states()
+
+
+class PolicyWorker(TrainedRole):
+    """One rank of the actor (the policy being trained)."""
+
+    tag = "actor"
+
+    def setup(self, cfg_dict: dict, config_cls: type, total_optimizer_steps: int) -> None:
+        from stages.model_io import load_causal_lm, resolve_model_path
+
+        self.cfg = cfg = config_cls.model_validate(cfg_dict)
+        self.init_process_group()
+        ds.seed_everything(cfg.seed)
+        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+                                        micro_batch_size=cfg.micro_train_batch_size)
+        path = resolve_model_path(cfg.pretrain)
+        model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
+                                                        attn_implementation=_attention(cfg, self.device)), ds_config)
+        self.engine = ds.build_train_engine(model, cfg, ds_config, learning_rate=cfg.actor_learning_rate,
+                                            total_steps=total_optimizer_steps)
+
+    @torch.no_grad()
+    def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.engine.eval()
+        return sequence_log_probs(self.engine, batch, self.cfg.micro_rollout_batch_size, self.cfg.temperature)
+
+    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
+        """One optimizer step over this rank's share of the step's samples (micro-batches accumulate).
+
+        Losses are token sums divided by `step_tokens`, the action tokens of the whole optimizer step over all
+        ranks: a global token mean however the step is split.
+        """
+        cfg = self.cfg
+        self.engine.train()
+        eps_low, eps_high = cfg.eps_clip_bounds
+        scale = ds.global_loss_scale(self.engine)
+        device = next(self.engine.module.parameters()).device
+        totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
+        for micro in micro_batches(shard, cfg.micro_train_batch_size, device):
+            mask = micro["action_mask"]
+            logits = self.engine(input_ids=micro["input_ids"],
+                                 attention_mask=micro["attention_mask"]).logits[:, :-1] / cfg.temperature
+            logp = algo.token_log_probs(logits, micro["input_ids"][:, 1:])
+            loss_t, clipped = algo.policy_loss(logp, micro["old_logp"], micro["advantages"], eps_low, eps_high,
+                                               cfg.dual_clip)
+            policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
+            loss = policy_loss
+            if cfg.use_kl_loss:
+                kl_loss = algo.aggregate_token_loss(algo.compute_kl(logp, micro["ref_logp"], cfg.kl_estimator),
+                                                    mask, step_tokens)
+                loss = loss + cfg.init_kl_coef * kl_loss
+                totals["kl_loss"] = totals.get("kl_loss", 0.0) + kl_loss.item()
+            if cfg.entropy_loss_coef is not None:
+                entropy = algo.aggregate_token_loss(algo.entropy_from_logits(logits), mask, step_tokens)
+                loss = loss - cfg.entropy_loss_coef * entropy
+                totals["entropy"] = totals.get("entropy", 0.0) + entropy.item()
+            self.engine.backward(loss * scale)
+            self.engine.step()
+            with torch.no_grad():
+                totals["policy_loss"] += policy_loss.item()
+                totals["clip_fraction"] += float(algo.masked_sum(clipped, mask)) / step_tokens
+                totals["approx_kl"] += float(algo.masked_sum(micro["old_logp"] - logp, mask)) / step_tokens
+        return totals
+
+    # ---- weight sync to the rollout engines (stages/weight_sync.py)
+    def _sync_params(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.engine.module.named_parameters())
+
+    def sync_plan(self, bucket_bytes: int) -> list:
+        from stages.weight_sync import plan_buckets
+
+        return plan_buckets(((name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+                             for name, p in self._sync_params().items()), bucket_bytes)
+
+    def weight_sync_endpoint(self) -> tuple[str, int]:
+        return node_address(), free_port()
+
+    def open_weight_sync(self, master_addr: str, master_port: int, world_size: int, backend: str) -> None:
+        """Rank 0 only: become rank 0 of the weight-sync group (it hosts the group's store)."""
+        from stages.weight_sync import open_group
+
+        self._sync_group = open_group(master_addr, master_port, 0, world_size, backend, local_addr=node_address(),
+                                      device=torch.device("cuda", torch.cuda.current_device())
+                                      if backend == "nccl" else None)
+
+    @torch.no_grad()
+    def broadcast_weights(self, buckets: list) -> None:
+        """Every rank joins each bucket's ZeRO-3 gather; rank 0 broadcasts the bucket to the engines."""
+        from stages.weight_sync import send_bucket
+
+        params = self._sync_params()
+        zero3 = any(hasattr(p, "ds_id") for p in params.values())
+        for bucket in buckets:
+            tensors = [params[name] for name, _, _ in bucket]
+            if zero3:
+                import deepspeed
+
+                gathered = deepspeed.zero.GatheredParameters(tensors, modifier_rank=None)
+            else:
+                gathered = nullcontext()
+            with gathered:
+                if self.rank == 0:
+                    send_bucket(self._sync_group, [t.data for t in tensors])
+
+    def export(self, save_path: str) -> None:
+        from stages.model_io import load_tokenizer
+
+        ds.export_hf(self.engine, load_tokenizer(self.cfg.pretrain), save_path)
+
+
+class CriticWorker(TrainedRole):
+    """One rank of the critic (PPO's value model), trained on the returns with the clipped value loss."""
+
+    tag = "critic"
+
+    def setup(self, cfg_dict: dict, config_cls: type, total_optimizer_steps: int) -> None:
+        from stages.model_io import load_value_model, resolve_model_path
+
+        self.cfg = cfg = config_cls.model_validate(cfg_dict)
+        self.init_process_group()
+        ds.seed_everything(cfg.seed)
+        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+                                        micro_batch_size=cfg.micro_train_batch_size)
+        path = resolve_model_path(cfg.critic_init)
+        model = ds.load_for_zero(lambda: load_value_model(path, dtype=_dtype(cfg)), ds_config)
+        normalization = reward_normalization(model.config) if cfg.normalize_reward else None
+        self.engine = ds.build_train_engine(TokenValueModel(model, normalization), cfg, ds_config,
+                                            learning_rate=cfg.critic_learning_rate, total_steps=total_optimizer_steps)
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Value of the state before each action token, [B, T-1] (aligned with the action mask)."""
+        self.engine.eval()
+        device = next(self.engine.module.parameters()).device
+        return torch.cat([self.engine(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
+                          [:, :-1].cpu()
+                          for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, device)])
+
+    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
+        cfg = self.cfg
+        self.engine.train()
+        scale = ds.global_loss_scale(self.engine)
+        device = next(self.engine.module.parameters()).device
+        totals = {"critic_loss": 0.0, "values": 0.0}
+        for micro in micro_batches(shard, cfg.micro_train_batch_size, device):
+            mask = micro["action_mask"]
+            values = self.engine(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])[:, :-1]
+            loss = algo.aggregate_token_loss(
+                algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
+            self.engine.backward(loss * scale)
+            self.engine.step()
+            totals["critic_loss"] += loss.item()
+            totals["values"] += float(algo.masked_sum(values.detach(), mask)) / step_tokens
+        return totals
+
+
+class ReferenceWorker(RankWorker):
+    """One rank of the frozen reference model."""
+
+    def setup(self, cfg_dict: dict, config_cls: type) -> None:
+        from stages.model_io import load_causal_lm, resolve_model_path
+
+        self.cfg = cfg = config_cls.model_validate(cfg_dict)
+        self.init_process_group()
+        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+                                        micro_batch_size=cfg.micro_train_batch_size, train=False)
+        path = resolve_model_path(cfg.ref_pretrain or cfg.pretrain)
+        model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
+                                                        attn_implementation=_attention(cfg, self.device)), ds_config)
+        self.model = ds.build_inference_engine(model, ds_config, self.device)
+
+    @torch.no_grad()
+    def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sequence_log_probs(self.model, batch, self.cfg.micro_rollout_batch_size, self.cfg.temperature)
+
+
+class RewardModelWorker(RankWorker):
+    """One rank of the reward model. It scores the token ids of prompt + response (+ eos), so it must share the
+    policy's tokenizer, as a reward model trained from the SFT checkpoint does."""
+
+    def setup(self, cfg_dict: dict, config_cls: type) -> None:
+        from stages.model_io import load_value_model, resolve_model_path
+
+        self.cfg = cfg = config_cls.model_validate(cfg_dict)
+        self.init_process_group()
+        self.model = load_value_model(resolve_model_path(cfg.reward_pretrain), dtype=_dtype(cfg)).eval()
+        self.model.to(self.device)
+        self.normalization = reward_normalization(self.model.config)
+        if cfg.normalize_reward and self.normalization is None:
+            raise StageInputError(f"--normalize_reward: reward model {cfg.reward_pretrain} has no reward_mean/"
+                                  "reward_std (or mean/std) in its config.json; train it with stages.reward_model "
+                                  "and an --eval_dataset")
+
+    @torch.no_grad()
+    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reward of each sequence: the value head at its last non-padding token."""
+        rewards = torch.cat([self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
+                             .logits[:, 0].float().cpu()
+                             for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, self.device)])
+        if self.cfg.normalize_reward:
+            mean, std = self.normalization
+            rewards = (rewards - mean) / std
+        return rewards
+
+
+def sequence_log_probs(model, batch: dict[str, torch.Tensor], micro_batch_size: int,
+                       temperature: float) -> torch.Tensor:
+    """Log-probs of the sampling distribution (logits / temperature), as the rollout engines sampled from."""
+    device = next(model.parameters()).device
+    return torch.cat([next_token_log_probs(model, micro["input_ids"], micro["attention_mask"], temperature).cpu()
+                      for micro in micro_batches(batch, micro_batch_size, device)])
+
+
+# ----------------------------------------------------------------------------- placement
+
+ROLE_WORKERS = {"actor": PolicyWorker, "critic": CriticWorker, "ref": ReferenceWorker, "reward": RewardModelWorker}
+
+
+def bundle_resources(device: str, total_bundles: int) -> dict[str, float]:
+    """One bundle: a GPU and a core on GPUs; on CPU an equal share of the cluster's cores (at most one) so that
+    `total_bundles` bundles fit."""
+    if device == "cuda":
+        return {"GPU": 1, "CPU": 1}
+    cores = ray.cluster_resources().get("CPU", 1)
+    return {"CPU": math.floor(min(1.0, cores / total_bundles) * 100) / 100}
+
+
+def placement_plan(cfg) -> dict[str, list[str]]:
+    """Placement group name -> the roles sharing its bundles (engines included as "engines")."""
+    roles = list(cfg.role_ranks())
+    if cfg.colocate_all_models:
+        return {"shared": [*roles, "engines"]}
+    plan: dict[str, list[str]] = {"actor": ["actor"]}
+    if "ref" in roles:
+        plan.setdefault("actor" if cfg.colocate_actor_ref else "ref", []).append("ref")
+    if "critic" in roles:
+        plan["critic"] = ["critic"]
+    if "reward" in roles:
+        plan.setdefault("critic" if cfg.colocate_critic_reward and "critic" in roles else "reward", []).append("reward")
+    plan["engines"] = ["engines"]
+    return plan
+
+
+class Roles:
+    """The Ray actor groups and rollout engines of one RL run, placed as the colocation flags say."""
+
+    def __init__(self, cfg, device: str):
+        from stages.rollout import create_rollout_engines
+
+        self.cfg = cfg
+        ranks = cfg.role_ranks()
+        engine_bundles = cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
+        plan = placement_plan(cfg)
+        bundles = {name: engine_bundles if members == ["engines"] else ranks[members[0]]
+                   for name, members in plan.items()}
+        total = sum(bundles.values())
+        if device == "cuda" and total > ray.cluster_resources().get("GPU", 0):
+            raise StageInputError(f"this placement needs {total} GPUs ({_describe(plan, bundles)}) but the Ray "
+                                  f"cluster has {ray.cluster_resources().get('GPU', 0):g}: lower the "
+                                  "*_num_gpus_per_node flags or colocate")
+        bundle = bundle_resources(device, total)
+        self.placement_groups = []
+        self.groups: dict[str, ActorGroup] = {}
+        engine_options: dict[str, Any] = {}
+        for name, members in plan.items():
+            group = placement_group([dict(bundle) for _ in range(bundles[name])], strategy="PACK")
+            ray.get(group.ready())
+            self.placement_groups.append(group)
+            share = 1.0 / len(members)
+            for role in members:
+                fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
+                if role == "engines":
+                    engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles)),
+                                          **fraction)
+                else:
+                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role,
+                                                   placement=Placement(group, **fraction))
+        self.engines = create_rollout_engines(
+            cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
+            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
+            seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.total_len,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching, **engine_options,
+        )
+        self.buckets: list = []
+
+    @property
+    def actor(self) -> ActorGroup:
+        return self.groups["actor"]
+
+    def get(self, role: str) -> ActorGroup | None:
+        return self.groups.get(role)
+
+    def open_weight_sync(self, backend: str) -> int:
+        """Join actor rank 0 and every engine worker in the weight-sync group; returns the bytes one sync sends."""
+        from stages.weight_sync import bucket_bytes_total
+
+        self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
+        rank0 = self.actor.actors[0]
+        addr, port = ray.get(rank0.weight_sync_endpoint.remote())
+        tp = self.cfg.vllm_tensor_parallel_size
+        world = 1 + len(self.engines) * tp
+        ray.get([rank0.open_weight_sync.remote(addr, port, world, backend)]
+                + [engine.init_weight_sync.remote(addr, port, 1 + i * tp, world, backend)
+                   for i, engine in enumerate(self.engines)])
+        return bucket_bytes_total(self.buckets)
+
+    def sync_weights(self) -> None:
+        """The actor's current weights into every engine, bucket by bucket."""
+        ray.get(self.actor.run_async("broadcast_weights", self.buckets)
+                + [engine.receive_weights.remote(self.buckets) for engine in self.engines])
+
+    def engines_call(self, method: str, *args: Any) -> None:
+        ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine)
+        for group in self.groups.values():
+            group.shutdown()
+        for group in self.placement_groups:
+            remove_placement_group(group)
+
+
+def _describe(plan: dict[str, list[str]], bundles: dict[str, int]) -> str:
+    return ", ".join(f"{'+'.join(members)}: {bundles[name]}" for name, members in plan.items())

@@ -1,0 +1,124 @@
+"""Actor → rollout engine weight sync: parameters broadcast in buckets over a torch.distributed group.
+
+The group joins actor rank 0 (rank 0 of the group) and every engine worker (ranks 1..). It is a standalone
+process group (TCPStore + ProcessGroupGloo/NCCL objects), so it never touches the default group the actor ranks
+train with, nor the engines' own. The transfer plan is fixed at start-up: a list of buckets, each a list of
+(name, shape, dtype) of at most `bucket_bytes`. Each sync walks the buckets in order: the actor ranks gather one
+bucket (ZeRO-3) and rank 0 broadcasts it as one flat tensor; each engine worker receives it and hands its tensors
+to the model's weight loader as they arrive, so neither side ever holds a second copy of the whole model.
+
+`--vllm_sync_backend` picks the group's backend: nccl between GPUs, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+BucketEntry = tuple[str, tuple[int, ...], str]  # (parameter name, full shape, dtype name)
+SYNC_TIMEOUT = datetime.timedelta(minutes=30)
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def plan_buckets(params: Iterable[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[list[BucketEntry]]:
+    """Consecutive parameters grouped into buckets of one dtype and at most `bucket_bytes` (a larger parameter
+    travels alone). Keeping the model's order lets the engine finish loading one layer before the next arrives."""
+    buckets: list[list[BucketEntry]] = []
+    size = 0
+    for name, shape, dtype in params:
+        dtype_name = str(dtype).removeprefix("torch.")
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        current = buckets[-1] if buckets else None
+        if current is None or current[-1][2] != dtype_name or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tuple(shape), dtype_name))
+        size += nbytes
+    return buckets
+
+
+def bucket_bytes_total(buckets: list[list[BucketEntry]]) -> int:
+    return sum(torch.Size(shape).numel() * torch.empty((), dtype=_DTYPES[dtype]).element_size()
+               for bucket in buckets for _, shape, dtype in bucket)
+
+
+def open_group(master_addr: str, master_port: int, rank: int, world_size: int, backend: str, *,
+               local_addr: str, device=None):
+    """A standalone process group of `world_size` ranks; rank 0 hosts its TCPStore at master_addr:master_port.
+
+    `local_addr` is this process's node address: gloo binds its sockets there (loopback on a local cluster), not
+    on whatever the host name resolves to.
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=SYNC_TIMEOUT)
+    prefixed = PrefixStore("weight-sync", store)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()
+        options._timeout = SYNC_TIMEOUT
+        options._devices = [ProcessGroupGloo.create_device(hostname=local_addr)]
+        return ProcessGroupGloo(prefixed, rank, world_size, options)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        if device is not None:
+            torch.cuda.set_device(device)
+        return ProcessGroupNCCL(prefixed, rank, world_size)
+    raise ValueError(f"weight sync backend must be 'nccl' or 'gloo', got {backend!r}")
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def send_bucket(group, tensors: list[torch.Tensor]) -> None:
+    """Rank 0: broadcast one bucket's tensors as a single flat tensor."""
+    _broadcast(group, torch.cat([t.detach().reshape(-1) for t in tensors]))
+
+
+def receive_buckets(group, buckets: list[list[BucketEntry]], device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Engine side: (name, tensor) of every parameter, bucket by bucket as each broadcast arrives."""
+    for bucket in buckets:
+        dtype = _DTYPES[bucket[0][2]]
+        flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in bucket), dtype=dtype, device=device)
+        _broadcast(group, flat)
+        offset = 0
+        for name, shape, _ in bucket:
+            count = torch.Size(shape).numel()
+            yield name, flat[offset : offset + count].view(shape)
+            offset += count
+
+
+def with_tied(weights: Iterable[tuple[str, torch.Tensor]], tied: dict[str, str]) -> Iterator[tuple[str, Any]]:
+    """Also yield each tied parameter (e.g. lm_head.weight) under its own name right after its source."""
+    by_source: dict[str, list[str]] = {}
+    for name, source in tied.items():
+        by_source.setdefault(source, []).append(name)
+    for name, tensor in weights:
+        yield name, tensor
+        for alias in by_source.get(name, []):
+            yield alias, tensor
+
+
+class VLLMWeightReceiver:
+    """vLLM worker extension (`worker_extension_cls`): its methods run in every engine worker via collective_rpc."""
+
+    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                         backend: str) -> None:
+        # Worker i of an engine with tensor parallelism takes rank rank_offset + i of the sync group.
+        import ray
+
+        self._weight_sync_group = open_group(master_addr, master_port, rank_offset + self.rank, world_size, backend,
+                                             local_addr=ray.util.get_node_ip_address(),
+                                             device=self.device if backend == "nccl" else None)
+
+    def receive_weights(self, buckets: list[list[BucketEntry]], tied: dict[str, str]) -> None:
+        weights = with_tied(receive_buckets(self._weight_sync_group, buckets, self.device), tied)
+        self.model_runner.reload_weights(weights_iterator=weights)

@@ -1,0 +1,164 @@
+"""Reward sources: what a reward function may answer, what stops a stage, and HTTP endpoints that fail."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from stages.rewards import (
+    REMOTE_ATTEMPTS,
+    RemoteReward,
+    RewardFunction,
+    RewardFunctionError,
+    load_reward_source,
+    parse_reward_output,
+)
+from stages.tiny import reward_func as tiny_reward
+
+from conftest import free_port
+
+QUERIES = ["1 + 1 = ? Answer: 2", "2 + 2 = ? Answer: 5", "3 + 4 = ? Answer: 7", "0 + 0 = ? Answer: 1"]
+PROMPTS = ["1 + 1 = ?", "2 + 2 = ?", "3 + 4 = ?", "0 + 0 = ?"]
+LABELS = ["2", "4", "7", "0"]
+
+
+def test_rewards_come_as_a_list_a_tensor_or_openrlhfs_dict():
+    assert parse_reward_output([1, 0.5], 2, "f").rewards.tolist() == [1.0, 0.5]
+    assert parse_reward_output(torch.tensor([[1.0], [0.0]]), 2, "f").rewards.tolist() == [1.0, 0.0]
+    batch = parse_reward_output({"rewards": torch.tensor([1.0, 0.0]), "scores": [0.3, 0.2],
+                                 "extra_logs": {"format_ok": [1.0, 0.0], "length": 3}}, 2, "f")
+    assert batch.rewards.tolist() == [1.0, 0.0]
+    assert batch.scores.tolist() == pytest.approx([0.3, 0.2])
+    assert batch.extra_logs == {"format_ok": 0.5, "length": 3.0}
+    assert not batch.failed.any()
+    # Without scores, dynamic filtering reads the rewards.
+    assert parse_reward_output({"rewards": [2.0]}, 1, "f").scores.tolist() == [2.0]
+
+
+@pytest.mark.parametrize(
+    "output, message",
+    [
+        (None, "returned None"),
+        ([1.0, 0.0, 1.0], "shape (3,) for 4 samples"),
+        ([1.0, 0.0, math.nan, 1.0], "non-finite rewards (nan) at index 2"),
+        ([1.0, None, 1.0, 0.0], "non-finite rewards (nan) at index 1"),
+        ([1.0, math.inf, math.inf, 0.0], "at index 1 and 1 more"),
+        (["yes", "no", "no", "no"], "not numbers"),
+        ({"score": [1, 1, 1, 1]}, "without 'rewards'"),
+        ({"rewards": [1, 1, 1, 1], "scores": [1, 1]}, "scores of shape (2,)"),
+    ],
+)
+def test_unusable_reward_answers_name_the_source_and_the_index(output, message):
+    with pytest.raises(RewardFunctionError) as error:
+        parse_reward_output(output, 4, "reward_func in r.py")
+    assert "reward_func in r.py" in str(error.value) and message in str(error.value)
+
+
+def test_a_reward_function_that_raises_is_named(tmp_path):
+    path = tmp_path / "broken_reward.py"
+    path.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [1 / 0 for _ in queries]}\n")
+    with pytest.raises(RewardFunctionError, match=r"reward_func in .*broken_reward.py raised ZeroDivisionError"):
+        RewardFunction(path)(QUERIES, PROMPTS, LABELS)
+
+
+def test_reward_sources_are_parsed_from_the_flag(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text("def reward_func(queries, prompts, labels):\n    return [float(len(q)) for q in queries]\n")
+    assert load_reward_source(str(path))(["ab", "c"], ["", ""], ["", ""]).rewards.tolist() == [2.0, 1.0]
+    remote = load_reward_source("http://a:1/r, https://b:2/r", timeout_s=3)
+    assert isinstance(remote, RemoteReward) and remote.urls == ["http://a:1/r", "https://b:2/r"]
+    assert remote.timeout_s == 3
+    with pytest.raises(RewardFunctionError, match="no reward_func"):
+        (tmp_path / "empty.py").write_text("x = 1\n")
+        load_reward_source(str(tmp_path / "empty.py"))
+    with pytest.raises(ValueError, match="not http"):
+        load_reward_source("reward.txt")
+
+
+class RewardServer:
+    """A real HTTP reward endpoint on 127.0.0.1 answering the tiny task's rule reward (optionally misbehaving)."""
+
+    def __init__(self, delay_s: float = 0.0, answer=None):
+        self.requests: list[int] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append(len(body["query"]))
+                time.sleep(delay_s)
+                rewards = tiny_reward(body["query"], body["prompts"], body["labels"]).tolist()
+                payload = json.dumps(answer if answer is not None else {"rewards": rewards}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def servers():
+    started: list[RewardServer] = []
+
+    def start(**kwargs) -> RewardServer:
+        started.append(RewardServer(**kwargs))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.close()
+
+
+EXPECTED = [1.0, 0.0, 1.0, 0.0]
+
+
+def test_a_batch_is_split_over_the_endpoints_in_order(servers):
+    a, b = servers(), servers()
+    batch = RemoteReward([a.url, b.url], timeout_s=5)(QUERIES, PROMPTS, LABELS)
+    assert batch.rewards.tolist() == EXPECTED and not batch.failed.any()
+    assert a.requests == [2] and b.requests == [2]
+
+
+def test_an_endpoint_that_is_down_fails_over_to_the_next(servers):
+    up = servers()
+    down = f"http://127.0.0.1:{free_port()}/get_reward"
+    batch = RemoteReward([down, up.url], timeout_s=5, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    assert batch.rewards.tolist() == EXPECTED and not batch.failed.any()
+    assert sum(up.requests) == 4  # both halves, one of them after the refused attempt on `down`
+
+
+def test_a_slow_endpoint_times_out_and_fails_over(servers):
+    slow, fast = servers(delay_s=3.0), servers()
+    started = time.monotonic()
+    batch = RemoteReward([slow.url, fast.url], timeout_s=0.5, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    assert batch.rewards.tolist() == EXPECTED and time.monotonic() - started < 3.0
+
+
+def test_samples_whose_endpoints_all_fail_come_back_failed_not_scored():
+    down = [f"http://127.0.0.1:{free_port()}/r" for _ in range(2)]
+    batch = RemoteReward(down, timeout_s=1, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    assert batch.failed.all() and torch.isnan(batch.rewards).all()
+    assert len(batch.errors) == 2 * REMOTE_ATTEMPTS and "Connection refused" in batch.errors[0]  # each attempt
+
+
+def test_an_endpoint_answering_the_wrong_length_stops_the_stage(servers):
+    wrong = servers(answer={"rewards": [1.0]})
+    with pytest.raises(RewardFunctionError, match=r"reward endpoint http://127.0.0.1:\d+/get_reward returned rewards "
+                                                   r"of shape \(1,\) for 4 samples"):
+        RemoteReward([wrong.url], timeout_s=5)(QUERIES, PROMPTS, LABELS)

@@ -1,0 +1,189 @@
+"""The RL stage for real (`python -m stages.rl`, 2 CPU ranks per model) on the tiny task.
+
+PPO with a critic and the reward model, every other advantage estimator, every placement, exact resume, reward
+functions that break and endpoints that are down, and the llama3-8b preset's RL section rehearsed on CPU. One SFT
+model and one reward model (module fixtures) feed every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages.config import parse_stage_args
+from stages.rehearsal import StandIns, rehearse_rl
+from stages.tiny import build_tiny_assets
+
+from conftest import free_port
+from stage_runs import history_of, max_weight_change, metrics_of, run_stage
+from test_config import SEED_PPO, stage_argv
+from test_rewards import RewardServer
+
+pytestmark = pytest.mark.slow
+
+RULE_REWARD = "stages/tiny_reward.py"
+# PPO on the tiny task: 4 samples per prompt (one optimizer step of 128 per rollout), the KL in the reward (k1),
+# rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
+PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
+       "--critic_learning_rate", "3e-4", "--normalize_reward")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def sft_model(assets, tmp_path_factory) -> Path:
+    """The tiny preset's SFT: 3 epochs on noisy demonstrations, greedy answers mostly wrong (about 2.5% right)."""
+    out = tmp_path_factory.mktemp("sft")
+    run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--save_path", out / "model",
+              "--ckpt_path", out / "ckpt")
+    return out / "model"
+
+
+@pytest.fixture(scope="module")
+def reward_model(assets, sft_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rm")
+    run_stage("reward_model", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset",
+              assets["pref_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt")
+    assert metrics_of(out / "model")["eval_accuracy"] >= 0.95
+    return out / "model"
+
+
+def rl(tmp: Path, sft_model: Path, assets, *flags, env: dict | None = None, expect_rc: int = 0, name: str = "run"):
+    out = tmp / name
+    proc = run_stage("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
+                     "--save_path", out / "model", "--ckpt_path", out / "ckpt", *flags, env=env, expect_rc=expect_rc)
+    return out / "model", proc
+
+
+def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, reward_model):
+    """PPO (gae) with the critic started from the reward model, actor+ref and critic+reward colocated."""
+    policy, proc = rl(tmp_path, sft_model, assets, *PPO, "--reward_pretrain", reward_model, "--max_samples", 800,
+                      "--no_colocate_all_models", "--colocate_actor_ref", "--colocate_critic_reward",
+                      "--save_steps", 5)
+    assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
+    history = history_of(policy)
+    assert len(history) == 25
+    first, last = history[:5], history[-5:]
+    assert sum(r["critic_loss"] for r in last) < sum(r["critic_loss"] for r in first), "the critic does not fit"
+    checkpoint = tmp_path / "run" / "ckpt" / "step00000025"
+    assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir()
+
+    report = tmp_path / "report"
+    run_stage("evaluate", "--pretrain", policy, "--ref_pretrain", sft_model, "--reward_pretrain", reward_model,
+              "--remote_rm_url", RULE_REWARD, "--prompt_data", assets["prompts_eval"], "--save_path", report,
+              "--num_gpus_per_node", 2)
+    metrics = metrics_of(report)
+    # Held-out greedy accuracy (rule reward) and the reward model's score of the same answers both rise.
+    assert metrics["accuracy"] - metrics["reference_accuracy"] >= 0.2, metrics
+    assert metrics["reward_mean"] > metrics["reference_reward_mean"], metrics
+    assert 0 < metrics["kl_mean"] < 10, metrics
+    assert metrics["pass4"] >= metrics["accuracy"] - 0.05, metrics
+
+
+def test_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model, reward_model):
+    """Hybrid engine (everything colocated) with an adaptive KL controller: killed after the checkpoint of step 3,
+    restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt position, RNG)."""
+    flags = (*PPO, "--reward_pretrain", reward_model, "--max_samples", 192, "--save_steps", 3, "--kl_target", "1.0",
+             "--colocate_all_models")
+    full, _ = rl(tmp_path, sft_model, assets, *flags, name="full")
+    _, crashed = rl(tmp_path, sft_model, assets, *flags, name="resumed", env={"RLHF_FAULT_INJECT": "rl:after_checkpoint"},
+                    expect_rc=3)
+    assert "[rl] step 3/6" in crashed.stdout and not (tmp_path / "resumed" / "model" / "metrics.json").exists()
+    resumed, proc = rl(tmp_path, sft_model, assets, *flags, name="resumed")
+    assert "resumed from the checkpoint of step 3" in proc.stdout
+    assert metrics_of(resumed)["resumed_from_step"] == 3
+
+    expected, got = history_of(full), history_of(resumed)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert len({r["kl_coef"] for r in expected}) > 1, "the adaptive KL controller never moved"
+    for a, b in zip(expected, got):
+        for key, value in a.items():
+            if isinstance(value, float) and not key.startswith("time/") and not key.endswith("_per_s"):
+                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (a["step"], key)
+    assert max_weight_change(full, resumed) < 1e-6
+
+
+def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(tmp_path, assets, sft_model):
+    """Actor, reference and engine each on bundles of their own; groups whose samples all score alike are replaced
+    by further prompts; the output is the best evaluated actor."""
+    policy, proc = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--remote_rm_url",
+                      RULE_REWARD, "--no_colocate_all_models", "--dynamic_filtering", "--max_samples", 800,
+                      "--eval_dataset", assets["prompts_eval"], "--eval_steps", 3,
+                      "--save_best", "--entropy_loss_coef", "0", "--eval_n_samples_per_prompt", 0)
+    history, metrics = history_of(policy), metrics_of(policy)
+    assert "roles {'actor': 2, 'ref': 2} + 1 engine(s)" in proc.stdout
+    assert metrics["groups_filtered"] > 0 and any(r["prompts_sampled"] > 32 for r in history)
+    assert all(r["entropy"] > 0 for r in history)
+    evaluated = {r["step"]: r["eval_reward"] for r in history if "eval_reward" in r}
+    best_step = max(evaluated, key=evaluated.get)
+    assert metrics["best_step"] == best_step and metrics["eval_reward"] == evaluated[best_step]
+    assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + 0.4, metrics
+    best = tmp_path / "run" / "ckpt" / "best"
+    assert max_weight_change(best, policy) == 0.0
+
+
+@pytest.mark.parametrize(
+    "estimator, flags, margin",
+    [
+        ("rloo", ("--colocate_all_models",), 0.4),
+        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1"), 0.4),
+        ("reinforce_baseline", ("--kl_estimator", "k2"), 0.4),
+        ("dr_grpo", (), 0.4),
+    ],
+)
+def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, estimator, flags, margin):
+    """Ten rollouts of 32 prompts x 4 samples against the rule reward, served over HTTP by two endpoints of which
+    the first is down: every request fails over, no sample is lost."""
+    server = RewardServer()
+    try:
+        dead = f"http://127.0.0.1:{free_port()}/get_reward"  # nothing listens there
+        policy, _ = rl(tmp_path, sft_model, assets, "--advantage_estimator", estimator, *flags,
+                       "--remote_rm_url", f"{dead},{server.url}", "--max_samples", 320,
+                       "--eval_dataset", assets["prompts_eval"], "--eval_steps", 10, "--eval_n_samples_per_prompt", 0)
+    finally:
+        server.close()
+    metrics = metrics_of(policy)
+    assert metrics["reward_failed_samples"] == 0 and sum(server.requests) > 0
+    assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + margin, metrics
+    assert math.isfinite(metrics["kl_last"])
+
+
+def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sft_model):
+    reward = tmp_path / "nan_reward.py"
+    reward.write_text("import math\n\ndef reward_func(queries, prompts, labels):\n"
+                      "    return [math.nan if i == 3 else 1.0 for i in range(len(queries))]\n")
+    _, proc = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--remote_rm_url", reward,
+                 "--max_samples", 64, expect_rc=2)
+    assert "reward_func in" in proc.stderr and "nan_reward.py returned non-finite rewards (nan) at index 3" in proc.stderr
+
+
+@pytest.mark.parametrize("source", ["llama3-8b preset", "seed PPO command"])
+def test_gpu_configs_rehearsed_on_cpu(source, tmp_path, assets, sft_model, reward_model):
+    """The llama3-8b preset's RL section (PPO, hybrid engine, ZeRO-3, bf16, sleep, packing) and the seed's PPO
+    command (Workflow 1 step 2, our module path) run two rollouts with only the stated swaps."""
+    argv = ["--config", "llama3-8b"] if source.startswith("llama3") else stage_argv(SEED_PPO)[1]
+    preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
+    stand_ins = StandIns(base_model=str(assets["model"]), sft_model=str(sft_model), reward_model=str(reward_model),
+                         prompts=[json.loads(line) for line in Path(assets["prompts_train"]).read_text().splitlines()],
+                         fixtures_dir=tmp_path / "fixtures")
+    values, swaps = rehearse_rl(preset, stand_ins)
+    swapped = {swap.field for swap in swaps}
+    assert {"advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "vllm_enable_sleep",
+            "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef"}.isdisjoint(swapped)
+    config = tmp_path / "rl.yaml"
+    config.write_text(yaml.safe_dump({k: v for k, v in values.items() if k not in ("save_path", "ckpt_path")}))
+    out = tmp_path / "run"
+    proc = run_stage("rl", "--save_path", out / "model", "--ckpt_path", out / "ckpt", config=str(config))
+    assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
+    for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
+        assert f"--{flag} has no effect on CPU" in proc.stdout
+    history = history_of(out / "model")
+    assert len(history) == 2 and all(math.isfinite(r["critic_loss"]) for r in history)
+    assert max_weight_change(sft_model, out / "model") > 0

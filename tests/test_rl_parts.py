@@ -1,0 +1,94 @@
+"""Pieces of the RL stage that need no Ray: the prompt stream, drift guards, placement plans, reward statistics,
+weight-sync buckets and the CPU rehearsal of a GPU preset."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from stages.config import RLConfig, parse_stage_args
+from stages.rehearsal import StandIns, rehearse_rl
+from stages.rl import PromptStream, drift_warnings
+from stages.roles import placement_plan, reward_normalization
+from stages.weight_sync import bucket_bytes_total, plan_buckets
+
+TINY = ["--config", "tiny"]
+
+
+def rl_config(*flags: str):
+    return parse_stage_args("rl", [*TINY, *flags], require_inputs=False)
+
+
+def test_prompt_stream_walks_seeded_episodes_and_resumes_at_its_position():
+    prompts = [{"prompt": str(i)} for i in range(10)]
+    stream = PromptStream(prompts, seed=3, num_episodes=2)
+    first = [p["prompt"] for p in stream.take(4)] + [p["prompt"] for p in stream.take(8)]
+    assert sorted(first[:10]) == sorted(str(i) for i in range(10))  # one episode holds every prompt once
+    assert stream.position == 12
+    resumed = PromptStream(prompts, seed=3, num_episodes=2, position=12)
+    rest = [p["prompt"] for p in stream.take(100)]
+    assert [p["prompt"] for p in resumed.take(100)] == rest and len(rest) == 8  # then the stream ends
+    assert stream.take(1) == []
+    assert PromptStream(prompts, seed=4, num_episodes=1).take(10) != PromptStream(prompts, 3, 1).take(10)
+
+
+def test_drift_guards_name_what_drifts():
+    cfg = rl_config("--drift_max_kl", "5", "--drift_max_truncated_fraction", "0.5", "--drift_length_ratio", "2")
+    first = {"kl": 0.0, "truncated_fraction": 0.0, "response_length": 10.0}
+    assert drift_warnings(cfg, first, {"kl": 1.0, "truncated_fraction": 0.1, "response_length": 12.0}) == {}
+    warnings = drift_warnings(cfg, first, {"kl": 6.0, "truncated_fraction": 0.9, "response_length": 25.0})
+    assert set(warnings) == {"kl", "truncation", "length"}
+    assert "6.00 > 5" in warnings["kl"] and "90%" in warnings["truncation"] and "10.0 -> 25.0" in warnings["length"]
+    assert set(drift_warnings(cfg, first, {"kl": 0.0, "truncated_fraction": 0.0, "response_length": 4.0})) == {"length"}
+
+
+@pytest.mark.parametrize(
+    "flags, plan",
+    [
+        (["--no_colocate_all_models"], {"actor": ["actor"], "ref": ["ref"], "reward": ["reward"],
+                                        "engines": ["engines"]}),
+        (["--no_colocate_all_models", "--colocate_actor_ref", "--advantage_estimator", "gae",
+          "--colocate_critic_reward"],
+         {"actor": ["actor", "ref"], "critic": ["critic", "reward"], "engines": ["engines"]}),
+        (["--advantage_estimator", "gae"], {"shared": ["actor", "critic", "ref", "reward", "engines"]}),
+        (["--remote_rm_url", "r.py", "--init_kl_coef", "0", "--kl_estimator", "k1", "--no_use_kl_loss"],
+         {"shared": ["actor", "engines"]}),
+    ],
+)
+def test_placement_plans_follow_the_colocation_flags(flags, plan):
+    assert placement_plan(rl_config(*flags)) == plan
+
+
+def test_reward_statistics_are_read_in_ours_and_openrlhfs_names():
+    assert reward_normalization(types.SimpleNamespace(reward_mean=1.5, reward_std=2.0)) == (1.5, 2.0)
+    assert reward_normalization(types.SimpleNamespace(mean=-0.5, std=0.0)) == (-0.5, 1e-8)
+    assert reward_normalization(types.SimpleNamespace()) is None
+
+
+def test_weight_sync_buckets_keep_order_dtype_and_size():
+    params = [("a", (4, 4), torch.float32), ("b", (1000,), torch.float32), ("c", (2,), torch.bfloat16),
+              ("d", (10,), torch.bfloat16), ("e", (300,), torch.float32)]
+    buckets = plan_buckets(params, bucket_bytes=1024)
+    assert [[name for name, _, _ in bucket] for bucket in buckets] == [["a"], ["b"], ["c", "d"], ["e"]]
+    assert bucket_bytes_total(buckets) == (16 + 1000 + 300) * 4 + 12 * 2
+
+
+def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
+    preset = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False).model_dump(mode="json")
+    stand_ins = StandIns("base", "sft", "rm", [{"prompt": "1 + 1 = ?", "label": "2"}], tmp_path)
+    values, swaps = rehearse_rl(preset, stand_ins)
+    by_field = {swap.field: swap for swap in swaps}
+    assert by_field["device"].after == "cpu" and by_field["vllm_sync_backend"].after == "gloo"
+    assert by_field["actor_num_gpus_per_node"].after == 2 and by_field["vllm_tensor_parallel_size"].after == 1
+    assert (values["pretrain"], values["reward_pretrain"]) == ("sft", "rm")
+    # Same ratios: 2 micro-batches per rank and step, 8 optimizer steps per rollout.
+    assert values["train_batch_size"] == values["micro_train_batch_size"] * 2 * 2
+    assert values["rollout_batch_size"] * values["n_samples_per_prompt"] == 8 * values["train_batch_size"]
+    for kept in ("advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "vllm_enable_sleep",
+                 "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef", "actor_learning_rate"):
+        assert kept not in by_field and values[kept] == preset[kept]
+    fixture = (tmp_path / "prompts.jsonl").read_text()
+    assert '"context_messages": [{"role": "user", "content": "1 + 1 = ?"}]' in fixture
+    RLConfig.model_validate(values)  # the rehearsal is a valid config
