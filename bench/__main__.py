@@ -1,0 +1,183 @@
+"""Benchmark harness: the RL stage side by side with TRL's GRPOTrainer, the supervised stages' tokens/s and the
+tiny pipeline end to end, all in one run on this machine.
+
+    python -m bench                      # full: tiny and ~18M-parameter models, 25 and 5 steps, pipeline
+    python -m bench --quick              # tiny model, 2 steps, no pipeline (what the test runs)
+
+Both RL sides get the same model, prompts, rule reward and budget: GRPO, 32 prompts x 4 samples per step, one
+optimizer step per rollout, learning rate 3e-4, KL 0.01 (k3, in the loss), temperature 1. TRL runs where `trl` is
+installed (the `bench` extra) and is skipped otherwise. Prints a table of ratios and writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.tiny import TinyModelShape, build_tiny_assets, build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+# ~18M parameters: the size where generation starts to dominate on two cores.
+MEDIUM_SHAPE = TinyModelShape(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                              num_key_value_heads=4, max_position_embeddings=128)
+
+
+@dataclass(frozen=True)
+class RLCase:
+    name: str
+    model: str  # "sft" (the tiny preset's SFT) or "medium" (random ~18M Llama)
+    steps: int
+    new_tokens: int
+
+
+FULL_CASES = (RLCase("tiny", "sft", 25, 8), RLCase("medium", "medium", 5, 64))
+QUICK_CASES = (RLCase("tiny", "base", 2, 8),)
+PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, LEARNING_RATE, KL_COEF = 32, 4, 3e-4, 0.01
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def timed(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return seconds, proc
+
+
+def stage(name: str, *flags) -> tuple[float, dict]:
+    seconds, _ = timed([sys.executable, "-m", f"stages.{name}", "--config", "tiny", *map(str, flags)])
+    save_path = Path(flags[list(flags).index("--save_path") + 1])
+    return seconds, json.loads((save_path / "metrics.json").read_text())
+
+
+def ours_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict:
+    out = work / f"rl-{case.name}"
+    wall, metrics = stage(
+        "rl", "--pretrain", model, "--remote_rm_url", "stages/tiny_reward.py", "--prompt_data", assets["prompts_train"],
+        "--eval_dataset", assets["prompts_eval"], "--eval_n_samples_per_prompt", 0,
+        "--advantage_estimator", "group_norm", "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", KL_COEF,
+        "--rollout_batch_size", PROMPTS_PER_STEP, "--n_samples_per_prompt", SAMPLES_PER_PROMPT,
+        "--train_batch_size", PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, "--actor_learning_rate", LEARNING_RATE,
+        "--generate_max_len", case.new_tokens, "--max_samples", PROMPTS_PER_STEP * case.steps,
+        "--save_path", out / "model", "--ckpt_path", out / "ckpt",
+    )
+    phases = {k.removeprefix("seconds/"): v for k, v in metrics.items() if k.startswith("seconds/")}
+    return {"command_seconds": wall, "startup_seconds": metrics["startup_seconds"],
+            "loop_seconds": metrics["train_seconds"],
+            "samples_per_s": PROMPTS_PER_STEP * SAMPLES_PER_PROMPT * case.steps / metrics["train_seconds"],
+            "eval_accuracy": metrics.get("eval_reward"), "phases": phases}
+
+
+def trl_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return None
+    args = {"model": model, "prompts": str(assets["prompts_train"]), "eval_prompts": str(assets["prompts_eval"]),
+            "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES_PER_PROMPT, "steps": case.steps,
+            "new_tokens": case.new_tokens, "learning_rate": LEARNING_RATE, "kl_coef": KL_COEF, "seed": 42,
+            "output_dir": str(work / f"trl-{case.name}")}
+    args_path, out_path = work / f"trl-{case.name}.json", work / f"trl-{case.name}-result.json"
+    args_path.write_text(json.dumps(args))
+    wall, _ = timed([sys.executable, "-m", "bench.trl_grpo", str(args_path), str(out_path)])
+    return {"command_seconds": wall, **json.loads(out_path.read_text())}
+
+
+def supervised(assets: dict, model: str, work: Path, steps: int) -> dict:
+    """Tokens/s of each supervised stage on the tiny task (2 ranks, the tiny preset), over `steps` optimizer steps."""
+    results = {}
+    for name, dataset in (("sft", "sft_train"), ("reward_model", "pref_train"), ("dpo", "pref_train")):
+        out = work / f"{name}-speed"
+        _, metrics = stage(name, "--pretrain", model, "--dataset", assets[dataset], "--max_epochs", 1,
+                           "--max_samples", 32 * steps, "--save_path", out / "model", "--ckpt_path", out / "ckpt")
+        results[name] = {"tokens_per_s": metrics["tokens_per_s"], "step_seconds": metrics["seconds/step"] / steps}
+    return results
+
+
+def pipeline(work: Path) -> dict:
+    wall, _ = timed([sys.executable, "-m", "flows.run", "--preset", "tiny", "--artifact_root", str(work / "artifacts")])
+    return {"command_seconds": wall}
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "platform": platform.platform()}
+
+
+def table(results: dict) -> str:
+    lines = ["| measurement | this project | TRL GRPOTrainer | ratio (ours / TRL, higher is better for us) |",
+             "|---|---|---|---|"]
+    for name, case in results["rl"].items():
+        ours, theirs = case["ours"], case.get("trl")
+        rows = [("training loop samples/s", ours["samples_per_s"], theirs and theirs["samples_per_s"], False),
+                ("training loop seconds", ours["loop_seconds"], theirs and theirs["loop_seconds"], True),
+                ("whole command seconds", ours["command_seconds"], theirs and theirs["command_seconds"], True),
+                ("held-out greedy accuracy", ours["eval_accuracy"], theirs and theirs["eval_accuracy"], False)]
+        for label, mine, other, lower_is_better in rows:
+            ratio = "" if not other or mine is None else f"{(other / mine if lower_is_better else mine / other):.2f}x"
+            lines.append(f"| {name}: {label} | {_fmt(mine)} | {_fmt(other) if theirs else 'not installed'} | "
+                         f"{ratio} |")
+        lines.append(f"| {name}: RL stage start-up seconds | {_fmt(ours['startup_seconds'])} | | |")
+    for name, result in results.get("supervised", {}).items():
+        lines.append(f"| {name}: tokens/s (2 ranks) | {_fmt(result['tokens_per_s'])} | | |")
+    if "pipeline" in results:
+        lines.append(f"| tiny pipeline, whole command seconds | {_fmt(results['pipeline']['command_seconds'])} | | |")
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, no pipeline")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="where the JSON goes")
+    parser.add_argument("--work_dir", default=None, help="scratch directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-"))
+    assets = {k: str(v) for k, v in build_tiny_assets(work / "tiny").items()}
+    models = {"base": assets["model"]}
+    cases = QUICK_CASES if args.quick else FULL_CASES
+    if any(case.model == "sft" for case in cases):
+        seconds, _ = stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"],
+                           "--save_path", work / "sft" / "model", "--ckpt_path", work / "sft" / "ckpt")
+        models["sft"] = str(work / "sft" / "model")
+    if any(case.model == "medium" for case in cases):
+        models["medium"] = str(build_tiny_model(work / "medium", seed=0, shape=MEDIUM_SHAPE))
+
+    results: dict = {"machine": machine(), "quick": args.quick, "rl": {}}
+    for case in cases:
+        model = models[case.model]
+        results["rl"][case.name] = {"case": case.__dict__, "ours": ours_rl(case, model, assets, work),
+                                    "trl": trl_rl(case, model, assets, work)}
+    results["supervised"] = supervised(assets, models.get("sft", assets["model"]), work, steps=2 if args.quick else 20)
+    if not args.quick:
+        results["pipeline"] = pipeline(work)
+    results["table"] = table(results)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(results["table"])
+    print(f"\nwritten to {args.out} (machine: {results['machine']['cpus']} CPUs, {results['machine']['cpu']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
