@@ -414,8 +414,17 @@ class Roles:
         return self.groups.get(role)
 
     def open_weight_sync(self, backend: str) -> int:
-        """Join actor rank 0 and every engine worker in the weight-sync group; returns the bytes one sync sends."""
+        """Join actor rank 0 and every engine worker in the weight-sync group; returns the bytes one sync sends.
+
+        NCCL cannot put two ranks of one group on the same GPU: with the engines on the actor's GPUs
+        (--colocate_all_models) the sync goes through host memory over gloo.
+        """
         from stages.weight_sync import bucket_bytes_total
+
+        if backend == "nccl" and self.cfg.colocate_all_models:
+            print("[rl] --vllm_sync_backend nccl: the engines share the actor's GPUs (--colocate_all_models), "
+                  "where NCCL cannot join two ranks on one GPU; weights go through host memory over gloo", flush=True)
+            backend = "gloo"
 
         self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
         rank0 = self.actor.actors[0]

@@ -348,7 +348,7 @@ class HFEngine:
         from stages.weight_sync import receive_buckets
 
         self.wake_up()
-        self.update_weights(dict(receive_buckets(self._weight_sync_group, buckets, self.device)))
+        self.update_weights(dict(receive_buckets(self._weight_sync_group, buckets)))
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

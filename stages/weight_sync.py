@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,12 +46,20 @@ def bucket_bytes_total(buckets: list[list[BucketEntry]]) -> int:
                for bucket in buckets for _, shape, dtype in bucket)
 
 
+@dataclass
+class SyncGroup:
+    """The weight-sync process group and the device its transfers are staged on (CPU for gloo)."""
+
+    process_group: Any
+    device: torch.device
+
+
 def open_group(master_addr: str, master_port: int, rank: int, world_size: int, backend: str, *,
-               local_addr: str, device=None):
+               local_addr: str, device=None) -> SyncGroup:
     """A standalone process group of `world_size` ranks; rank 0 hosts its TCPStore at master_addr:master_port.
 
     `local_addr` is this process's node address: gloo binds its sockets there (loopback on a local cluster), not
-    on whatever the host name resolves to.
+    on whatever the host name resolves to. `device` is this rank's GPU with nccl.
     """
     from torch.distributed import PrefixStore, TCPStore
 
@@ -62,32 +71,32 @@ def open_group(master_addr: str, master_port: int, rank: int, world_size: int, b
         options = ProcessGroupGloo._Options()
         options._timeout = SYNC_TIMEOUT
         options._devices = [ProcessGroupGloo.create_device(hostname=local_addr)]
-        return ProcessGroupGloo(prefixed, rank, world_size, options)
+        return SyncGroup(ProcessGroupGloo(prefixed, rank, world_size, options), torch.device("cpu"))
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
-        if device is not None:
-            torch.cuda.set_device(device)
-        return ProcessGroupNCCL(prefixed, rank, world_size)
+        torch.cuda.set_device(device)
+        return SyncGroup(ProcessGroupNCCL(prefixed, rank, world_size), torch.device(device))
     raise ValueError(f"weight sync backend must be 'nccl' or 'gloo', got {backend!r}")
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+def _broadcast(group: SyncGroup, tensor: torch.Tensor) -> None:
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    group.process_group.broadcast([tensor], options).wait()
 
 
-def send_bucket(group, tensors: list[torch.Tensor]) -> None:
-    """Rank 0: broadcast one bucket's tensors as a single flat tensor."""
-    _broadcast(group, torch.cat([t.detach().reshape(-1) for t in tensors]))
+def send_bucket(group: SyncGroup, tensors: list[torch.Tensor]) -> None:
+    """Rank 0: broadcast one bucket's tensors as a single flat tensor (through host memory with gloo)."""
+    _broadcast(group, torch.cat([t.detach().reshape(-1) for t in tensors]).to(group.device))
 
 
-def receive_buckets(group, buckets: list[list[BucketEntry]], device) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_buckets(group: SyncGroup, buckets: list[list[BucketEntry]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Engine side: (name, tensor) of every parameter, bucket by bucket as each broadcast arrives."""
     for bucket in buckets:
         dtype = _DTYPES[bucket[0][2]]
-        flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in bucket), dtype=dtype, device=device)
+        flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in bucket), dtype=dtype,
+                           device=group.device)
         _broadcast(group, flat)
         offset = 0
         for name, shape, _ in bucket:
@@ -120,5 +129,5 @@ class VLLMWeightReceiver:
                                              device=self.device if backend == "nccl" else None)
 
     def receive_weights(self, buckets: list[list[BucketEntry]], tied: dict[str, str]) -> None:
-        weights = with_tied(receive_buckets(self._weight_sync_group, buckets, self.device), tied)
+        weights = with_tied(receive_buckets(self._weight_sync_group, buckets), tied)
         self.model_runner.reload_weights(weights_iterator=weights)
