@@ -185,14 +185,14 @@ def crashed_run(tmp_path_factory):
         worker, worker_log = stack.start_worker("worker-1", worker_env)
         config = small_tiny_config(
             tmp,
-            sft={"max_samples": 2400, "save_steps": 10, "logging_steps": 10},  # 75 steps: time to kill a rank
+            sft={"max_samples": 1280, "save_steps": 5, "logging_steps": 5},  # 40 steps: time to kill a rank
             reward_model={"max_samples": 256, "save_steps": 2},
         )
         run = stack.run_deployment("full-rlhf/tiny", {"config": config})
         record["run"] = run
 
         # SFT: kill a rank actor after the first checkpoint.
-        wait_until(lambda: checkpoint_step(workspace, "sft") >= 10, "SFT's first checkpoint", 900)
+        wait_until(lambda: checkpoint_step(workspace, "sft") >= 5, "SFT's first checkpoint", 900)
         ranks = [p for p in marked_processes(marker) if p.cmdline() and p.cmdline()[0].startswith("ray::SFTWorker")]
         assert ranks, "no SFT rank actor found"
         ranks[-1].send_signal(signal.SIGKILL)
@@ -253,13 +253,17 @@ def crashed_run(tmp_path_factory):
 def test_rank_killed_mid_stage_the_task_retries_and_training_continues(crashed_run):
     assert crashed_run["jobs_when_crashed"]["sft"] == ["FAILED", "SUCCEEDED"]
     sft = crashed_run["result"].stages["sft"]
-    assert sft.metrics["resumed_from_step"] >= 10 and sft.metrics["steps"] == 75
+    assert sft.metrics["resumed_from_step"] >= 5 and sft.metrics["steps"] == 40
     store = crashed_run["store"]
     history = json.loads(store.read_file(store.get("sft", sft.version), "history.json"))
-    assert [record["step"] for record in history] == list(range(1, 76))  # no step lost or repeated
+    assert [record["step"] for record in history] == list(range(1, 41))  # no step lost or repeated
     losses = [record["loss"] for record in history]
     assert all(math.isfinite(loss) for loss in losses)
-    assert sum(losses[-10:]) < sum(losses[:10])  # and it kept learning across the crash
+    # The first step after the resume continues from where the checkpoint left off (a restart from the base
+    # model would be back near the first loss), and training goes on improving.
+    resumed = sft.metrics["resumed_from_step"]
+    assert losses[resumed] < 1.25 * losses[resumed - 1] and losses[resumed] < 0.8 * losses[0], losses
+    assert sum(losses[-10:]) < sum(losses[:10])
     failure = crashed_run["sft_failure"]
     assert failure.driver_exit_code == 1, failure.message  # a crash, not the test-only exit 3 of fault injection
 
