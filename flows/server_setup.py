@@ -2,8 +2,9 @@
 
     python -m flows.server_setup [--retry-crashed DEPLOYMENT ...]
 
-`prefect deploy` runs the same setup (a build step in prefect.yaml), so a server that has the deployments has
-these too. Idempotent: existing pool and automations are updated in place, never duplicated.
+Run it before the first `prefect deploy` (which insists on an existing work pool); every deploy then runs it again
+as a build step (prefect.yaml), so the automations follow the deployments. Idempotent: existing automations are
+updated in place, never duplicated.
 
 - Work pool `rlhf-process` (process type), created if missing.
 - `rlhf-crash-zombie-runs`: a full-rlhf flow run that stops sending heartbeats (its worker or process was
