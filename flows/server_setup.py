@@ -114,9 +114,10 @@ def ensure_work_pool(name: str = WORK_POOL) -> str:
 
 def setup_server(retry_crashed: list[str] = ()) -> list[str]:
     """Create or update the work pool and automations; returns what was done, one line each."""
-    done = [ensure_work_pool(), _save(zombie_automation(get_settings().zombie_after_s))]
-    done += [_save(retry_crashed_automation(deployment)) for deployment in retry_crashed]
-    return done
+    # Built first: a bad deployment name is reported before anything on the server changes.
+    automations = [zombie_automation(get_settings().zombie_after_s),
+                   *(retry_crashed_automation(deployment) for deployment in retry_crashed)]
+    return [ensure_work_pool(), *(_save(automation) for automation in automations)]
 
 
 def deploy_step(retry_crashed: list[str] | None = None) -> dict:

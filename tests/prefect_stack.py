@@ -23,6 +23,7 @@ from stages.config import load_pipeline_config
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 POOL = "rlhf-process"
+NIGHTLY = "full-rlhf/llama3-8b"
 STAGES = ("sft", "reward_model", "rl", "evaluate")
 FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 
@@ -116,9 +117,9 @@ class PrefectStack:
         it cannot fire into a test."""
         server, log = self.start("server", "server", "start", "--host", "127.0.0.1", "--port", str(self.port))
         wait_for_http(f"{self.url}/api/health", server, log)
-        if setup_command:
-            done = subprocess.run([sys.executable, "-m", "flows.server_setup"], cwd=PROJECT_ROOT, env=self.env,
-                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+        if setup_command:  # README's, with the nightly's automatic retry
+            done = subprocess.run([sys.executable, "-m", "flows.server_setup", "--retry-crashed", NIGHTLY],
+                                  cwd=PROJECT_ROOT, env=self.env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0 and "automation" in done.stdout, done.stdout + done.stderr
         else:
             self.cli("work-pool", "create", POOL, "--type", "process", "--overwrite")

@@ -31,6 +31,7 @@ import pytest
 from prefect.client.schemas.objects import StateType
 from prefect.states import Scheduled
 
+from flows.server_setup import AUTO_RETRY_MESSAGE, RETRY_AUTOMATION_PREFIX, ZOMBIE_AUTOMATION
 from infra.artifacts import open_store
 from infra.ray_cluster import HEAD_RECORD, job_client, read_head_record
 from infra.settings import get_settings
@@ -232,6 +233,7 @@ def crashed_run(tmp_path_factory):
         record["result"] = completed.state.result()
         with stack.client() as client:
             record["states"] = client.read_flow_run_states(run.id)
+            record["automations"] = {automation.name for automation in client.read_automations()}
         record["logs"] = stack.logs(run.id)
         record["leftover_ray"] = wait_for_no_ray_processes(marker)
         record["record_at_end"] = (workspace / HEAD_RECORD).exists()
@@ -272,6 +274,9 @@ def test_lost_worker_the_run_is_marked_crashed_and_its_job_reattached_once(crash
     crashed = crashed_run["crashed"]
     assert crashed.type == StateType.CRASHED and "No heartbeat" in crashed.message
     assert crashed_run["crash_detected_after_s"] < ZOMBIE_AFTER_S + 60
+    # The setup's automatic retry is for the nightly deployment only: this tiny run was retried by hand alone.
+    assert crashed_run["automations"] == {ZOMBIE_AUTOMATION, RETRY_AUTOMATION_PREFIX + "llama3-8b"}
+    assert not [s for s in crashed_run["states"] if s.message == AUTO_RETRY_MESSAGE]
     # The orphaned job went on running on the head the killed flow had started, and only that one job exists.
     assert crashed_run["jobs_when_crashed"]["reward_model"] in (["RUNNING"], ["SUCCEEDED"])
     assert crashed_run["jobs_before_head_kill"]["reward_model"] == ["SUCCEEDED"]
