@@ -8,6 +8,7 @@ runs under `deepspeed --module stages.<name>` or torchrun without Ray.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -29,12 +30,6 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def cpu_rank_env() -> dict[str, str]:
     """Environment every CPU rank needs: one thread per rank (two ranks on two cores run 2x slower otherwise)."""
     return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -54,8 +49,20 @@ class RankWorker:
             torch.set_num_threads(1)
 
     def master_endpoint(self) -> tuple[str, int]:
-        """Address and a free port on this rank's node, for rank 0 to host the rendezvous."""
-        return node_address(), free_port()
+        """Host the rendezvous store on rank 0 (this rank), listening on the node's address only.
+
+        torch's env:// rendezvous would bind its store on every interface; a store bound here (loopback on a
+        local cluster) is what every rank, this one included, joins as a client (see `join`).
+        """
+        import torch.distributed as dist
+
+        address = node_address()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._rendezvous_socket = socket.create_server((address, 0), family=family)
+        port = self._rendezvous_socket.getsockname()[1]
+        self._rendezvous_store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
+                                               master_listen_fd=self._rendezvous_socket.fileno())
+        return address, port
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Set the torch.distributed environment a launcher would (the Ray path has no launcher)."""
@@ -67,7 +74,12 @@ class RankWorker:
             # Ray gives each GPU rank its own CUDA_VISIBLE_DEVICES, so the local device is always 0.
             LOCAL_RANK="0",
             LOCAL_SIZE="1",
+            # Connect to rank 0's store (master_endpoint) instead of starting one on every interface.
+            TORCHELASTIC_USE_AGENT_STORE="True",
         )
+        if ipaddress.ip_address(master_addr).is_loopback:
+            # gloo's own listeners follow the hostname's address unless told the interface.
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
 
     def init_process_group(self) -> None:
         import deepspeed
@@ -78,6 +90,16 @@ class RankWorker:
 
 def node_address() -> str:
     return ray.util.get_node_ip_address()
+
+
+def loopback_interface() -> str:
+    """Name of the network interface that carries 127.0.0.1 ("lo" on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            return name
+    return "lo"
 
 
 @dataclass
