@@ -196,6 +196,8 @@ class LocalRayHead:
         env.pop("RAY_ADDRESS", None)
         if is_loopback(self.bind_host):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # see the module docstring
+        else:
+            env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # set by importing stages in this process
         return env
 
     def start(self) -> str:

@@ -54,15 +54,8 @@ class RankWorker:
         torch's env:// rendezvous would bind its store on every interface; a store bound here (loopback on a
         local cluster) is what every rank, this one included, joins as a client (see `join`).
         """
-        import torch.distributed as dist
-
-        address = node_address()
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self._rendezvous_socket = socket.create_server((address, 0), family=family)
-        port = self._rendezvous_socket.getsockname()[1]
-        self._rendezvous_store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
-                                               master_listen_fd=self._rendezvous_socket.fileno())
-        return address, port
+        self._rendezvous_socket, self._rendezvous_store = host_store(node_address())
+        return node_address(), self._rendezvous_socket.getsockname()[1]
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Set the torch.distributed environment a launcher would (the Ray path has no launcher)."""
@@ -90,6 +83,24 @@ class RankWorker:
 
 def node_address() -> str:
     return ray.util.get_node_ip_address()
+
+
+def host_store(address: str, world_size: int | None = None):
+    """(listening socket, TCPStore) of a store server bound to `address` only, on a free port.
+
+    torch's TCPStore server listens on every interface; handed a socket bound here it listens on this one. Keep
+    the socket alive as long as the store.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, 0), family=family)
+    store = dist.TCPStore(address, listener.getsockname()[1], world_size, is_master=True,
+                          wait_for_workers=False, master_listen_fd=listener.fileno(),
+                          timeout=datetime.timedelta(minutes=30))
+    return listener, store
 
 
 def loopback_interface() -> str:
@@ -176,6 +187,7 @@ def init_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Without RAY_ADDRESS the private cluster listens on loopback only (see stages/__init__.py).
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
 
 
