@@ -9,12 +9,14 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from tasks.promote import PromotionDecision
+from tasks.report import ReportResult
 from tasks.run_stage import StageResult
 
 
 class PipelineResult(BaseModel):
-    """What one run produced: the committed artifact of every stage and the promotion decision."""
+    """What one run produced: the committed artifact of every stage, the promotion decision and the report."""
 
     artifact_root: str
     stages: dict[str, StageResult]
     promotion: PromotionDecision
+    report: ReportResult

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     result: PipelineResult = state.result()
     print(f"artifacts: {result.artifact_root}/{config.name}   workspaces: {get_settings().workspace_root}")
     verdict = "promoted to production" if result.promotion.promoted else "NOT promoted"
-    print(f"policy rl v{result.promotion.version}: {verdict} ({'; '.join(result.promotion.reasons)})\n")
+    print(f"policy rl v{result.promotion.version}: {verdict} ({'; '.join(result.promotion.reasons)})")
+    print(f"evaluation report: {result.report.uri}/report.md\n")
     print(metrics_table(result))
     return 0
 

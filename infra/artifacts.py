@@ -10,10 +10,22 @@ Layout under ``<root>/<pipeline>/<stage>/``::
 A commit uploads into a private staging prefix, claims the next free version number by exclusive create,
 moves the staged files into that version directory and writes MANIFEST.json last. Every operation goes
 through the same fsspec calls for both backends; only the storage options differ.
+
+Transient failures (endpoint unreachable, connection reset, timeouts) are retried with exponential backoff for
+up to `retry_for_s`; each step is safe to repeat, so an outage in the middle of a commit delays it and leaves no
+partial version. What a killed writer leaves behind (a `_staging/` entry, a claimed version directory without a
+manifest) is invisible to readers and removed once older than `staging_grace_s`, by the next commit of that
+stage or by `python -m infra.artifacts gc <root>`.
+
+    python -m infra.artifacts list <root> <pipeline>
+    python -m infra.artifacts verify <root> <pipeline> [--stage STAGE]
+    python -m infra.artifacts gc <root> [--pipeline PIPELINE] [--grace-s SECONDS]
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -22,9 +34,10 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.callbacks import Callback
@@ -39,6 +52,9 @@ _HASH_BLOCK = 8 * 2**20
 _MAX_CLAIM_ATTEMPTS = 1000
 # Test-only hook: "<step>:<n>" parks a writer at a known point of a commit so a test can kill -9 it there.
 PAUSE_ENV = "RLHF_ARTIFACTS_PAUSE"
+STAGING = "_staging"
+_MAX_BACKOFF_S = 30.0
+T = TypeVar("T")
 
 
 class ArtifactError(Exception):
@@ -153,7 +169,8 @@ def _hash_source_tree(source: Path) -> dict[str, FileEntry]:
     return files
 
 
-def _read_metrics_file(source: Path) -> dict:
+def read_metrics(source: Path) -> dict:
+    """A stage output's metrics.json ({} when it has none)."""
     path = source / "metrics.json"
     if not path.is_file():
         return {}
@@ -185,10 +202,41 @@ def _short_ref(uri: str) -> str:
     return "/".join(uri.rstrip("/").split("/")[-2:])
 
 
-class ArtifactStore:
-    """Versioned, immutable artifacts of one pipeline under ``root`` (a path, file:// or s3:// URI)."""
+def is_transient(error: BaseException) -> bool:
+    """A failure that the same request may not meet again: the endpoint unreachable, a connection cut, a timeout.
 
-    def __init__(self, root: str, pipeline: str, storage_options: dict | None = None):
+    Missing or existing files, permissions and validation errors are answers, not outages: never retried.
+    """
+    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                          NotADirectoryError)):  # fmt: skip
+        return False
+    if isinstance(error, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    try:
+        import aiohttp
+        import botocore.exceptions as boto
+    except ImportError:  # no S3 support installed: nothing of theirs can be raised either
+        return False
+    return isinstance(error, (boto.ConnectionError, boto.HTTPClientError, aiohttp.ClientError))
+
+
+def _modified(info: dict) -> float | None:
+    """Modification time (epoch seconds) from an fsspec info dict: `mtime` locally, `LastModified` on S3."""
+    value = info.get("mtime", info.get("LastModified"))
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return float(value) if value is not None else None
+
+
+class ArtifactStore:
+    """Versioned, immutable artifacts of one pipeline under ``root`` (a path, file:// or s3:// URI).
+
+    ``retry_for_s``: how long one operation retries transient failures; ``staging_grace_s``: age after which a
+    commit removes its stage's leftovers of killed writers; ``log``: where retries and clean-ups are reported.
+    """
+
+    def __init__(self, root: str, pipeline: str, storage_options: dict | None = None, *, retry_for_s: float = 600.0,
+                 staging_grace_s: float = 24 * 3600.0, log: Callable[[str], None] | None = None):  # fmt: skip
         options = storage_options_from_env(root) if storage_options is None else dict(storage_options)
         if (fsspec.core.split_protocol(root)[0] or "file") in ("file", "local"):
             options.setdefault("auto_mkdir", True)  # writes create their parent folders, as on S3
@@ -196,6 +244,31 @@ class ArtifactStore:
         self.fs, root_path = fsspec.core.url_to_fs(root, **options)
         self.pipeline = _check_name("pipeline", pipeline)
         self.base = f"{root_path.rstrip('/')}/{pipeline}"
+        self.retry_for_s = retry_for_s
+        self.staging_grace_s = staging_grace_s
+        self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+
+    # ---- retries -----------------------------------------------------------------------------------------
+    def _retrying(self, what: str, operation: Callable[[], T]) -> T:
+        """``operation()``, repeated with exponential backoff while it fails transiently, up to retry_for_s."""
+        started = time.monotonic()
+        delay = 1.0
+        while True:
+            try:
+                return operation()
+            except Exception as error:
+                if not is_transient(error):
+                    raise
+                waited = time.monotonic() - started
+                if waited + delay > self.retry_for_s:
+                    raise ArtifactError(
+                        f"{what}: the artifact store at {self._uri(self.base)} was unreachable for {waited:.0f}s "
+                        f"({type(error).__name__}: {error})"
+                    ) from error
+                self.log(f"artifact store: {what} failed ({type(error).__name__}: {error}); "
+                         f"retrying in {delay:.0f}s")
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_BACKOFF_S)
 
     # ---- paths -------------------------------------------------------------------------------------------
     def _stage_path(self, stage: str) -> str:
@@ -234,24 +307,24 @@ class ArtifactStore:
             draft = Manifest(
                 pipeline=self.pipeline, stage=stage, version=0, uri="", created_at="", stage_key=stage_key,
                 config=config, config_hash=config_hash(config), inputs=inputs or {}, code_version=code_version,
-                files=files, metrics=_read_metrics_file(source) if metrics is None else metrics,
+                files=files, metrics=read_metrics(source) if metrics is None else metrics,
                 digest=files_digest(files),
             )
         except ValidationError as e:
             raise ArtifactError(f"cannot commit {source} as {stage!r}: {e}") from e
-        staging = f"{stage_path}/_staging/{uuid.uuid4().hex}"
+        staging = f"{stage_path}/{STAGING}/{uuid.uuid4().hex}"
         try:
             # Explicit file lists: a directory put nests the source folder inside the destination unless the
-            # source ends with "/", and would not tell us what it copied.
-            self.fs.put(
+            # source ends with "/", and would not tell us what it copied. A retry uploads everything again.
+            self._retrying(f"upload of {source} to staging", lambda: self.fs.put(
                 [str(source / rel) for rel in files],
                 [f"{staging}/{rel}" for rel in files],
                 callback=_UploadProgress(),
-            )
+            ))
             version = self._claim_version(stage_path)
             version_path = self._version_path(stage, version)
             for moved, rel in enumerate(files, start=1):
-                self.fs.mv(f"{staging}/{rel}", f"{version_path}/{rel}")
+                self._move(f"{staging}/{rel}", f"{version_path}/{rel}")
                 _pause_point("move", moved)
             manifest = draft.model_copy(update={
                 "version": version,
@@ -261,7 +334,21 @@ class ArtifactStore:
             self._write_atomic(stage_path, f"{version_path}/{MANIFEST_NAME}", manifest.model_dump_json(indent=2))
         finally:
             self._remove(staging)
+        self._collect_stage_garbage(stage, self.staging_grace_s)
         return manifest
+
+    def _move(self, src: str, dst: str) -> None:
+        """Move one file; repeatable: on S3 a move is copy then delete, and either may have happened already."""
+
+        def attempt() -> None:
+            try:
+                self.fs.mv(src, dst)
+            except FileNotFoundError:
+                self.fs.invalidate_cache()
+                if not self.fs.exists(dst):
+                    raise
+
+        self._retrying(f"move of {self._uri(src)}", attempt)
 
     def _claim_version(self, stage_path: str) -> int:
         """Claim the next version number by creating ``_claims/vNNNN.json`` exclusively.
@@ -279,9 +366,15 @@ class ArtifactStore:
         for _ in range(_MAX_CLAIM_ATTEMPTS):
             claim = {"version": version, "host": socket.gethostname(), "pid": os.getpid(),
                      "claimed_at": datetime.now(timezone.utc).isoformat()}
+
+            def create(path: str = f"{claims}/v{version:04d}.json", body: bytes = json.dumps(claim).encode()):
+                with self.fs.open(path, "xb") as f:
+                    f.write(body)
+
             try:
-                with self.fs.open(f"{claims}/v{version:04d}.json", "xb") as f:
-                    f.write(json.dumps(claim).encode())
+                # A create whose answer was lost and is retried finds its own claim taken: that number then
+                # stays unused, as if a killed writer had claimed it.
+                self._retrying(f"claim of v{version:04d}", create)
                 return version
             except FileExistsError:
                 version += 1
@@ -289,15 +382,61 @@ class ArtifactStore:
 
     def _write_atomic(self, stage_path: str, path: str, text: str) -> None:
         """Replace ``path`` in one step: a local rename, or a single S3 copy (PUT) of a finished object."""
-        tmp = f"{stage_path}/_staging/{uuid.uuid4().hex}.json"
-        self.fs.pipe_file(tmp, text.encode())
-        self.fs.mv(tmp, path)
+        tmp = f"{stage_path}/{STAGING}/{uuid.uuid4().hex}.json"
+        self._retrying(f"write of {self._uri(tmp)}", lambda: self.fs.pipe_file(tmp, text.encode()))
+        self._move(tmp, path)
 
     def _remove(self, path: str) -> None:
+        """Best effort: what cannot be removed now is a leftover for the next clean-up."""
         try:
-            self.fs.rm(path, recursive=True)
+            self._retrying(f"removal of {self._uri(path)}", lambda: self.fs.rm(path, recursive=True))
         except FileNotFoundError:
             pass
+        except ArtifactError as error:
+            self.log(f"artifact store: left {self._uri(path)} behind for a later clean-up: {error}")
+
+    # ---- leftovers of killed writers ---------------------------------------------------------------------
+    def _newest_change(self, path: str) -> float | None:
+        """Latest modification time of anything under ``path`` (a file or a folder)."""
+        found = self.fs.find(path, detail=True, withdirs=False)
+        times = [t for info in found.values() if (t := _modified(info)) is not None]
+        return max(times, default=None)
+
+    def garbage(self, stage: str, grace_s: float) -> list[str]:
+        """Paths of leftovers older than ``grace_s``: ``_staging/`` entries and version folders without a
+        manifest (claimed by a writer that died before finishing)."""
+        stage_path = self._stage_path(stage)
+        self.fs.invalidate_cache()
+        candidates = []
+        try:
+            candidates += [e["name"] for e in self.fs.ls(f"{stage_path}/{STAGING}", detail=True)]
+        except FileNotFoundError:
+            pass
+        committed = set(self.versions(stage))
+        candidates += [f"{stage_path}/v{n:04d}" for n in self._numbers_in(f"{stage_path}/v*") if n not in committed]
+        cutoff = time.time() - grace_s
+        old = []
+        for path in candidates:
+            changed = self._newest_change(path)
+            if changed is None or changed <= cutoff:
+                old.append(path.rstrip("/"))
+        return old
+
+    def collect_garbage(self, stage: str, grace_s: float) -> list[str]:
+        """Remove ``garbage(stage, grace_s)``; returns the URIs removed."""
+        removed = []
+        for path in self._retrying(f"listing of {stage} leftovers", lambda: self.garbage(stage, grace_s)):
+            self._remove(path)
+            removed.append(self._uri(path))
+        return removed
+
+    def _collect_stage_garbage(self, stage: str, grace_s: float) -> None:
+        """After a commit: clean the stage's old leftovers, never failing the commit that already succeeded."""
+        try:
+            for uri in self.collect_garbage(stage, grace_s):
+                self.log(f"artifact store: removed {uri}, left by a writer that did not finish")
+        except Exception as error:  # the commit is done; a failed clean-up is retried by the next one
+            self.log(f"artifact store: clean-up of {stage} leftovers failed: {error}")
 
     def set_alias(self, stage: str, alias: str, version: int) -> None:
         """Point ``alias`` (e.g. "production") at a committed version; the pointer file moves atomically."""
@@ -316,7 +455,7 @@ class ArtifactStore:
         """Version numbers in the paths matching ``pattern`` (claim files, version folders or manifests)."""
         self.fs.invalidate_cache()  # s3fs caches listings per instance; other writers may have added files
         try:
-            found = self.fs.glob(pattern)
+            found = self._retrying(f"listing of {pattern}", lambda: self.fs.glob(pattern))
         except FileNotFoundError:
             return []
         return sorted(int(m.group(1)) for path in found if (m := _VERSION_PATH.search(path)))
@@ -357,7 +496,7 @@ class ArtifactStore:
     def _manifest_at(self, uri: str) -> Manifest:
         fs, path = self._fs_for(uri)
         try:
-            raw = fs.cat_file(f"{path}/{MANIFEST_NAME}")
+            raw = self._retrying(f"read of {uri}/{MANIFEST_NAME}", lambda: fs.cat_file(f"{path}/{MANIFEST_NAME}"))
         except FileNotFoundError:
             raise ArtifactError(f"{uri} is not a committed version ({MANIFEST_NAME} missing)") from None
         try:
@@ -376,6 +515,15 @@ class ArtifactStore:
             if manifest.stage_key == stage_key:
                 return manifest
         return None
+
+    def read_file(self, manifest: Manifest, rel: str) -> bytes:
+        """One file of a committed version, checked against its manifest entry."""
+        if rel not in manifest.files:
+            raise ArtifactError(f"{manifest.uri} has no file {rel!r}")
+        fs, path = self._fs_for(manifest.uri)
+        data = self._retrying(f"read of {manifest.uri}/{rel}", lambda: fs.cat_file(f"{path}/{rel}"))
+        _check_file(f"{manifest.uri}/{rel}", manifest.files[rel], len(data), hashlib.sha256(data).hexdigest())
+        return data
 
     def download(self, manifest: Manifest, dest_dir: str | os.PathLike, verify: bool = True) -> Path:
         """Copy the version's files into ``dest_dir``; with ``verify`` check each against the manifest."""
@@ -449,6 +597,67 @@ class ArtifactStore:
                          for row in rows)
 
 
-def open_store(root: str, pipeline: str) -> ArtifactStore:
-    """Store at ``root`` with storage options from the environment (AWS_* for s3://)."""
-    return ArtifactStore(root, pipeline, storage_options_from_env(root))
+def open_store(root: str, pipeline: str, log: Callable[[str], None] | None = None) -> ArtifactStore:
+    """Store at ``root`` with storage options from the environment (AWS_* for s3://) and retry/clean-up
+    periods from the settings (RLHF_ARTIFACT_RETRY_S, RLHF_STAGING_GRACE_S)."""
+    from infra.settings import get_settings
+
+    settings = get_settings()
+    return ArtifactStore(root, pipeline, storage_options_from_env(root), retry_for_s=settings.artifact_retry_s,
+                         staging_grace_s=settings.staging_grace_s, log=log)  # fmt: skip
+
+
+def pipelines(root: str) -> list[str]:
+    """Pipeline folders under ``root``."""
+    fs, root_path = fsspec.core.url_to_fs(root, **storage_options_from_env(root))
+    try:
+        entries = fs.ls(root_path, detail=True)
+    except FileNotFoundError:
+        return []
+    names = (e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+    return sorted(name for name in names if _NAME.match(name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infra.artifacts", description="Inspect and tidy an artifact store.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="every committed version of a pipeline")
+    listing.add_argument("root")
+    listing.add_argument("pipeline")
+    verify = commands.add_parser("verify", help="re-hash every file of every committed version (or one stage's)")
+    verify.add_argument("root")
+    verify.add_argument("pipeline")
+    verify.add_argument("--stage")
+    gc = commands.add_parser("gc", help="remove leftovers of killed writers (_staging/, versions without manifest)")
+    gc.add_argument("root")
+    gc.add_argument("--pipeline", help="only this pipeline (default: all under root)")
+    gc.add_argument("--grace-s", type=float, help="only leftovers older than this (default: RLHF_STAGING_GRACE_S)")
+    args = parser.parse_args(argv)
+
+    if args.command == "list":
+        print(open_store(args.root, args.pipeline).listing())
+        return 0
+    if args.command == "verify":
+        store = open_store(args.root, args.pipeline)
+        failed = 0
+        for stage in [args.stage] if args.stage else store.stages():
+            for version in store.versions(stage):
+                manifest = store.get(stage, version)
+                try:
+                    store.verify(manifest)
+                    print(f"ok      {manifest.uri} ({len(manifest.files)} files)")
+                except ChecksumError as error:
+                    failed += 1
+                    print(f"FAILED  {error}")
+        return 1 if failed else 0
+    for pipeline in [args.pipeline] if args.pipeline else pipelines(args.root):
+        store = open_store(args.root, pipeline)
+        grace_s = store.staging_grace_s if args.grace_s is None else args.grace_s
+        for stage in store.stages():
+            for uri in store.collect_garbage(stage, grace_s):
+                print(f"removed {uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

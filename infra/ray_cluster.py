@@ -4,10 +4,23 @@ A local head is `ray start --head --block` run as our own child process in its o
 signal that process (it stops the raylet, GCS and workers it started) and never call `ray stop`, which
 would kill every Ray process on the machine, including other people's clusters. Its `--temp-dir` is private
 too, so a plain `ray.init()` elsewhere on the machine does not discover and join it.
+
+It listens on loopback only unless `bind_host` says otherwise. Ray turns a `--node-ip-address` of 127.0.0.1
+into the machine's external address, and then the GCS, raylet, agents and client server listen on every
+interface; RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is Ray's own switch for a single-node, loopback-only cluster
+(what it does on laptops), so a loopback head gets that instead. Ranks, vLLM and job drivers inherit it.
+
+The embedded head of a flow run (`ray_jobs_address` without an address) is recorded in
+`<workspace_root>/ray-head.json` while `ray-head.lock` is held by the flow's process. The flow stops the head
+when it ends. If the flow's process is killed instead, the head and its running job live on; the next flow
+run on that workspace (the retry) takes the lock, finds the record, adopts the head and re-attaches to the job
+rather than starting a second head and running the stage twice.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import signal
@@ -17,21 +30,29 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
-from infra.settings import Settings, get_settings
+import psutil
+
+from infra.settings import Settings, get_settings, is_loopback
+
+HEAD_RECORD = "ray-head.json"
+ALL_INTERFACES = ("0.0.0.0", "::")
+HEAD_LOCK = "ray-head.lock"
 
 
 class RayClusterError(RuntimeError):
     """The local Ray head did not come up, or the cluster cannot be reached."""
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0 and read what the kernel gave)."""
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind(("127.0.0.1", 0))
+    with closing(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
@@ -62,45 +83,137 @@ def _jobs_api_ready(address: str) -> bool:
         return False
 
 
-class LocalRayHead:
-    """A single-node Ray cluster on this machine, started by us and stopped by us."""
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
-    def __init__(self, num_cpus: int | None = None, auth_mode: str = "disabled", startup_timeout_s: float = 90.0):
+
+@dataclass
+class HeadRecord:
+    """What `ray-head.json` says about a running local head: enough to find, check and stop it."""
+
+    address: str
+    pid: int  # the `ray start --block` process, leader of the head's process group
+    create_time: float  # with pid: the same process, not a later one that reused the number
+    temp_dir: str
+    host: str
+    owner_pid: int
+    started_at: str
+
+    def process_alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).create_time() == self.create_time
+        except psutil.Error:
+            return False
+
+
+def _stop_process_group(pid: int, popen: subprocess.Popen | None, timeout_s: float) -> None:
+    """SIGINT the `ray start --block` process (it stops what it started); escalate on its process group, then on
+    whatever of its process tree is left (job drivers run in sessions of their own)."""
+    try:
+        tree = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+
+    def gone(wait_s: float) -> bool:
+        if popen is not None:
+            try:
+                popen.wait(wait_s)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        try:  # not our child (an adopted head): poll
+            psutil.Process(pid).wait(wait_s)
+            return True
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.TimeoutExpired:
+            return False
+
+    for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            if sig == signal.SIGINT:
+                os.kill(pid, sig)
+            else:
+                os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        if gone(wait_s):
+            break
+    # Anything left in the head's session (workers) or below it goes with it.
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for process in tree:
+        try:
+            process.kill()  # psutil checks it is still the same process, not a reused pid
+        except psutil.NoSuchProcess:
+            pass
+
+
+class LocalRayHead:
+    """A single-node Ray cluster on this machine, started by us (or adopted) and stopped by us."""
+
+    def __init__(self, num_cpus: int | None = None, auth_mode: str = "disabled", bind_host: str = "127.0.0.1",
+                 startup_timeout_s: float = 90.0):  # fmt: skip
         self.num_cpus = num_cpus or os.cpu_count() or 1
         self.auth_mode = auth_mode
+        self.bind_host = bind_host
         self.startup_timeout_s = startup_timeout_s
         self.address: str | None = None
+        self.pid: int | None = None
         self._process: subprocess.Popen | None = None
         self._temp_dir: str | None = None
         self._log_path: Path | None = None
+
+    @property
+    def listens_everywhere(self) -> bool:
+        return self.bind_host in ALL_INTERFACES
+
+    def command(self, dashboard_port: int) -> list[str]:
+        """`ray start` for this head; every server in it listens on `bind_host`."""
+        host = self.bind_host
+        # On every interface, Ray picks the node's address itself; a given address is the node's.
+        node_ip = [] if self.listens_everywhere else [f"--node-ip-address={host}"]
+        return [
+            _ray_executable(), "start", "--head", "--block",
+            *node_ip,
+            f"--dashboard-host={host}",
+            f"--num-cpus={self.num_cpus}",
+            f"--port={free_port(host)}",
+            f"--dashboard-port={dashboard_port}",
+            f"--ray-client-server-port={free_port(host)}",
+            f"--dashboard-agent-listen-port={free_port(host)}",
+            f"--dashboard-agent-grpc-port={free_port(host)}",
+            f"--runtime-env-agent-port={free_port(host)}",
+            f"--metrics-export-port={free_port(host)}",
+            f"--temp-dir={self._temp_dir}",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, "RAY_AUTH_MODE": self.auth_mode, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        if is_loopback(self.bind_host):
+            env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # see the module docstring
+        else:
+            env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # set by importing stages in this process
+        return env
 
     def start(self) -> str:
         """Start the head and wait until its Jobs API answers; returns the Jobs API address."""
         # /tmp keeps the unix socket paths under Ray's length limit.
         self._temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp")
         self._log_path = Path(self._temp_dir) / "ray-start.log"
-        dashboard_port = free_port()
-        command = [
-            _ray_executable(), "start", "--head", "--block",
-            "--dashboard-host=127.0.0.1",
-            f"--num-cpus={self.num_cpus}",
-            f"--port={free_port()}",
-            f"--dashboard-port={dashboard_port}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--temp-dir={self._temp_dir}",
-            "--disable-usage-stats",
-        ]  # fmt: skip
-        env = {**os.environ, "RAY_AUTH_MODE": self.auth_mode, "RAY_USAGE_STATS_ENABLED": "0"}
-        env.pop("RAY_ADDRESS", None)
+        dashboard_port = free_port(self.bind_host)
+        command = self.command(dashboard_port)
         with open(self._log_path, "wb") as log:
             self._process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        address = f"http://127.0.0.1:{dashboard_port}"
+        self.pid = self._process.pid
+        client_host = "127.0.0.1" if self.listens_everywhere else self.bind_host
+        address = f"http://{_url_host(client_host)}:{dashboard_port}"
         deadline = time.monotonic() + self.startup_timeout_s
         while not _jobs_api_ready(address):
             if self._process.poll() is not None or time.monotonic() > deadline:
@@ -111,29 +224,26 @@ class LocalRayHead:
         self.address = address
         return address
 
+    @classmethod
+    def adopt(cls, record: HeadRecord) -> LocalRayHead:
+        """Take over a head another process started (and recorded), to watch its jobs and stop it later."""
+        head = cls()
+        head.address, head.pid, head._temp_dir = record.address, record.pid, record.temp_dir
+        return head
+
+    def record(self) -> HeadRecord:
+        assert self.address is not None and self.pid is not None and self._temp_dir is not None
+        return HeadRecord(
+            address=self.address, pid=self.pid, create_time=psutil.Process(self.pid).create_time(),
+            temp_dir=self._temp_dir, host=socket.gethostname(), owner_pid=os.getpid(),
+            started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )  # fmt: skip
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT the `ray start --block` process (it stops what it started); escalate on its group."""
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-                try:
-                    if sig == signal.SIGINT:
-                        process.send_signal(sig)
-                    else:
-                        os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        # Anything left in our session (workers, job drivers) goes with it.
-        if process is not None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        pid, process = self.pid, self._process
+        self.pid = self._process = None
+        if pid is not None:
+            _stop_process_group(pid, process, timeout_s)
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
@@ -147,16 +257,84 @@ class LocalRayHead:
         self.stop()
 
 
+def read_head_record(workspace_root: Path) -> HeadRecord | None:
+    path = Path(workspace_root) / HEAD_RECORD
+    try:
+        return HeadRecord(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError):  # a record cut short by a crash: nothing to adopt
+        return None
+
+
 @contextmanager
-def ray_jobs_address(settings: Settings | None = None) -> Iterator[str]:
-    """Yield the Jobs API address to submit to: `settings.ray_address`, or a local head for the duration."""
+def _workspace_head_lock(workspace_root: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold `ray-head.lock`: one flow process at a time owns the embedded head of a workspace.
+
+    A second flow run on the same workspace waits here until the first ends (or dies: the kernel releases a
+    dead process's lock), rather than stopping a head the other still uses.
+    """
+    workspace_root.mkdir(parents=True, exist_ok=True)
+    with open(workspace_root / HEAD_LOCK, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            record = read_head_record(workspace_root)
+            holder = f"pid {record.owner_pid} on {record.host}" if record else "another process"
+            log(f"the local Ray head of {workspace_root} is in use by {holder}; waiting for it to finish")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def embedded_head(settings: Settings, log: Callable[[str], None] = print) -> Iterator[str]:
+    """A local head for one flow run: the recorded head of an earlier, killed run if it still answers,
+    else a new one; recorded in the workspace root while it runs, stopped at the end."""
+    root = settings.workspace_root
+    with _workspace_head_lock(root, log):
+        record_path = root / HEAD_RECORD
+        record = read_head_record(root)
+        head = None
+        if record is not None and record.host == socket.gethostname():
+            if record.process_alive() and _jobs_api_ready(record.address):
+                log(f"adopting the local Ray head at {record.address} (pid {record.pid}) left running by "
+                    f"pid {record.owner_pid}: its jobs are re-attached, not submitted again")
+                head = LocalRayHead.adopt(record)
+            else:
+                log(f"the local Ray head recorded in {record_path} (pid {record.pid}) is gone or not answering; "
+                    "starting a new one")
+                if record.process_alive():  # hung: stop it; a dead one's pid may belong to someone else now
+                    _stop_process_group(record.pid, None, timeout_s=5.0)
+                shutil.rmtree(record.temp_dir, ignore_errors=True)
+        elif record is not None:
+            log(f"{record_path} records a head on host {record.host}, not this one; starting a local head")
+        if head is None:
+            head = LocalRayHead(num_cpus=settings.ray_num_cpus, auth_mode=settings.ray_auth_mode,
+                                bind_host=settings.bind_host)  # fmt: skip
+            head.start()
+        tmp = record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(head.record()), indent=1))
+        os.replace(tmp, record_path)
+        try:
+            yield head.address
+        finally:
+            head.stop()
+            record_path.unlink(missing_ok=True)
+
+
+@contextmanager
+def ray_jobs_address(settings: Settings | None = None, log: Callable[[str], None] = print) -> Iterator[str]:
+    """Yield the Jobs API address to submit to: `settings.ray_address`, or the workspace's embedded head."""
     settings = settings or get_settings()
     set_auth_mode(settings.ray_auth_mode)
     if settings.ray_address:
         yield settings.ray_address
         return
-    with LocalRayHead(num_cpus=settings.ray_num_cpus, auth_mode=settings.ray_auth_mode) as head:
-        yield head.address
+    with embedded_head(settings, log) as address:
+        yield address
 
 
 def job_client(address: str, settings: Settings | None = None):
@@ -168,15 +346,15 @@ def job_client(address: str, settings: Settings | None = None):
     try:
         return JobSubmissionClient(address)
     except ConnectionError as err:
-        raise RayClusterError(f"cannot reach the Ray Jobs API at {address}: {err}") from err
+        raise RayClusterError(f"cannot reach the Ray cluster at {address} (Jobs API): {err}") from err
 
 
 @contextmanager
-def ray_address_in_env(settings: Settings | None = None) -> Iterator[str]:
+def ray_address_in_env(settings: Settings | None = None, log: Callable[[str], None] = print) -> Iterator[str]:
     """`ray_jobs_address`, with RLHF_RAY_ADDRESS set for the duration so that code reading the settings
     (the stage tasks of an in-process flow) submits to the same cluster."""
     previous = os.environ.get("RLHF_RAY_ADDRESS")
-    with ray_jobs_address(settings) as address:
+    with ray_jobs_address(settings, log) as address:
         os.environ["RLHF_RAY_ADDRESS"] = address
         try:
             yield address

@@ -10,15 +10,28 @@ flows see changes made after import.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from infra.secrets import is_secret_name
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and `localhost`: addresses no other machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
@@ -41,10 +54,18 @@ class Settings(BaseSettings):
         description="Ray Jobs API address, e.g. http://127.0.0.1:8265; unset = start a local head on demand "
         "(RLHF_RAY_ADDRESS).",
     )
-    ray_auth_mode: Literal["disabled", "token"] = Field(
-        "disabled",
-        description="RAY_AUTH_MODE for the job client and a local head; `token` in production with "
-        "RAY_AUTH_TOKEN set (RLHF_RAY_AUTH_MODE).",
+    bind_host: str = Field(
+        "127.0.0.1",
+        description="Address the local Ray head listens on (GCS, raylet, dashboard, client server, agents; "
+        "stage ranks follow it). Loopback by default: anything else exposes the head to the network and is "
+        "an explicit choice, which turns Ray token auth on unless RLHF_RAY_AUTH_MODE says otherwise "
+        "(RLHF_BIND_HOST).",
+    )
+    ray_auth_mode: Literal["disabled", "token"] | None = Field(
+        None,
+        description="RAY_AUTH_MODE for the job client and a local head; unset = `token` when bind_host is "
+        "not a loopback address, else `disabled`. Use `token` with RAY_AUTH_TOKEN for production clusters "
+        "(RLHF_RAY_AUTH_MODE).",
     )
     ray_num_cpus: int | None = Field(
         None,
@@ -63,8 +84,9 @@ class Settings(BaseSettings):
     )
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(
         ["RLHF_FAULT_INJECT"],
-        description="Comma-separated env var names copied from the worker into each job's env when set "
-        "(RLHF_JOB_ENV_PASSTHROUGH).",
+        description="Comma-separated env var names copied from the worker into each job's env when set. "
+        "Secret names (*_TOKEN, *_SECRET*, *_KEY, AWS_*) are refused: Ray keeps a job's env in its job info; "
+        "give the cluster its own credentials (RLHF_JOB_ENV_PASSTHROUGH).",
     )
     stage_module_prefix: str = Field(
         "stages",
@@ -91,6 +113,33 @@ class Settings(BaseSettings):
     retry_delay_s: float = Field(
         10.0, ge=0, description="Seconds between stage retries (RLHF_RETRY_DELAY_S)."
     )
+    artifact_retry_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long an artifact-store operation keeps retrying transient failures (S3 endpoint "
+        "unreachable, timeouts, 5xx) with exponential backoff before the commit fails (RLHF_ARTIFACT_RETRY_S).",
+    )
+    staging_grace_s: float = Field(
+        24 * 3600.0,
+        ge=0,
+        description="Age after which `_staging/` leftovers of killed writers (and claimed versions that never "
+        "got a manifest) are removed by the next commit of their stage and by `python -m infra.artifacts gc`; "
+        "longer than any upload (RLHF_STAGING_GRACE_S).",
+    )
+    zombie_after_s: int = Field(
+        120,
+        ge=40,
+        description="A flow run of a deployment that sent no heartbeat for this long is marked Crashed (so the "
+        "UI offers Retry) by the automation `python -m flows.server_setup` creates; keep it above twice the "
+        "flow runs' PREFECT_FLOWS_HEARTBEAT_FREQUENCY (30 s in prefect.yaml) (RLHF_ZOMBIE_AFTER_S).",
+    )
+    max_crash_retries: int = Field(
+        2,
+        ge=0,
+        description="Automatic retries of a crashed flow run in a row (the `--retry-crashed` automation of "
+        "`python -m flows.server_setup`) after which the run fails instead of running again "
+        "(RLHF_MAX_CRASH_RETRIES).",
+    )
     result_storage: str | None = Field(
         None,
         description="Where Prefect persists task results (what makes a retried flow run skip finished "
@@ -105,6 +154,24 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
         return value
+
+    @field_validator("job_env_passthrough", mode="after")
+    @classmethod
+    def _no_secrets_in_job_env(cls, names: list[str]) -> list[str]:
+        secret = [name for name in names if is_secret_name(name)]
+        if secret:
+            raise ValueError(
+                f"RLHF_JOB_ENV_PASSTHROUGH names secret variables {secret}: Ray would store their values in the "
+                "job's runtime_env, readable in the dashboard and job API; give the Ray cluster its own "
+                "credentials (the local head inherits the worker's environment)"
+            )
+        return names
+
+    @model_validator(mode="after")
+    def _auth_follows_exposure(self) -> Settings:
+        if self.ray_auth_mode is None:
+            self.ray_auth_mode = "disabled" if is_loopback(self.bind_host) else "token"
+        return self
 
     @field_validator("workspace_root", mode="after")
     @classmethod

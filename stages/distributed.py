@@ -8,6 +8,7 @@ runs under `deepspeed --module stages.<name>` or torchrun without Ray.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -27,12 +28,6 @@ def cluster_device(device: str) -> str:
 
 def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def cpu_rank_env(threads: int = 1) -> dict[str, str]:
@@ -68,8 +63,13 @@ class RankWorker:
             torch.set_num_threads(threads)
 
     def master_endpoint(self) -> tuple[str, int]:
-        """Address and a free port on this rank's node, for rank 0 to host the rendezvous."""
-        return node_address(), free_port()
+        """Host the rendezvous store on rank 0 (this rank), listening on the node's address only.
+
+        torch's env:// rendezvous would bind its store on every interface; a store bound here (loopback on a
+        local cluster) is what every rank, this one included, joins as a client (see `join`).
+        """
+        self._rendezvous_socket, self._rendezvous_store = host_store(node_address())
+        return node_address(), self._rendezvous_socket.getsockname()[1]
 
     def join(self, endpoint: tuple[str, int]) -> None:
         """Set the torch.distributed environment a launcher would (the Ray path has no launcher)."""
@@ -82,7 +82,12 @@ class RankWorker:
             # Ray gives each GPU rank its own CUDA_VISIBLE_DEVICES, so the local device is always 0.
             LOCAL_RANK="0",
             LOCAL_SIZE="1",
+            # Connect to rank 0's store (master_endpoint) instead of starting one on every interface.
+            TORCHELASTIC_USE_AGENT_STORE="True",
         )
+        if ipaddress.ip_address(master_addr).is_loopback:
+            # gloo's own listeners follow the hostname's address unless told the interface.
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
 
     def init_process_group(self) -> None:
         import deepspeed
@@ -107,6 +112,34 @@ def skip_deepspeed_shm_comm() -> None:
 
 def node_address() -> str:
     return ray.util.get_node_ip_address()
+
+
+def host_store(address: str, world_size: int | None = None):
+    """(listening socket, TCPStore) of a store server bound to `address` only, on a free port.
+
+    torch's TCPStore server listens on every interface; handed a socket bound here it listens on this one. Keep
+    the socket alive as long as the store.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, 0), family=family)
+    store = dist.TCPStore(address, listener.getsockname()[1], world_size, is_master=True,
+                          wait_for_workers=False, master_listen_fd=listener.fileno(),
+                          timeout=datetime.timedelta(minutes=30))
+    return listener, store
+
+
+def loopback_interface() -> str:
+    """Name of the network interface that carries 127.0.0.1 ("lo" on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            return name
+    return "lo"
 
 
 @dataclass
@@ -186,6 +219,7 @@ def init_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Without RAY_ADDRESS the private cluster listens on loopback only (see stages/__init__.py).
     ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
 
 

@@ -1,19 +1,26 @@
 """How a stage entrypoint starts its ranks and reports: Ray actor group (default) or an external launcher.
 
 Exit codes are part of the stage contract: 0 success, 2 config or data error (a retry cannot fix it),
-3 test-only fault injection, anything else a failure that a retry may fix.
+3 test-only fault injection, 4 another process is writing the same checkpoint/output directory, anything else
+a failure that a retry may fix.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Callable
 
 EXIT_CONFIG_ERROR = 2
 EXIT_FAULT_INJECTED = 3
+EXIT_WORKSPACE_BUSY = 4
 
 
 class StageInputError(ValueError):
@@ -51,17 +58,69 @@ def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
         group.shutdown()
 
 
+class WorkspaceBusy(RuntimeError):
+    """Another live process holds the writer lock of this stage's checkpoint/output directory."""
+
+
+def writer_lock_path(save_path: str, ckpt_path: str | None) -> Path:
+    """The lock file beside the directory a second writer would corrupt: the checkpoints, else the output."""
+    target = Path(ckpt_path or save_path).expanduser().resolve()
+    return target.with_name(target.name + ".lock")
+
+
+def writer_lock_holder(lock_path: Path) -> str | None:
+    """Who holds the writer lock at `lock_path` (as they wrote it), or None when nobody does."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return lock_path.read_text().strip() or "a process that has not written its name yet"
+    finally:
+        os.close(fd)
+    return None
+
+
+@contextmanager
+def writer_lock(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_path` for the duration; raises WorkspaceBusy naming the holder.
+
+    The kernel drops the lock when the holder dies, even by SIGKILL, so a crashed job never blocks its retry.
+    """
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_path.read_text().strip()
+            raise WorkspaceBusy(f"{lock_path.parent} is being written by {holder or 'another process'}") from None
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, Ray job {os.environ.get('RAY_JOB_ID', '-')}"
+        os.ftruncate(fd, 0)
+        os.write(fd, holder.encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str] | None = None) -> None:
-    """Parse the stage's flags, run `body(cfg)`, map failures to the stage exit codes."""
+    """Parse the stage's flags, run `body(cfg)` holding the writer lock (rank 0), map failures to exit codes."""
     from stages.config import parse_stage_args
     from stages.data import DataValidationError
-
     from stages.tracking import silence_known_noise
 
     cfg = parse_stage_args(stage, argv)
     silence_known_noise()
+    lock = (writer_lock(writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None)))
+            if os.environ.get("RANK", "0") == "0" else nullcontext())  # under a launcher rank 0 holds it
     try:
-        result = body(cfg)
+        with lock:
+            result = body(cfg)
+    except WorkspaceBusy as error:
+        print(f"[{stage}] error: {error}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_WORKSPACE_BUSY)
     except (DataValidationError, StageInputError) as error:
         print(f"[{stage}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
-from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, free_port, node_address
+from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.launch import StageInputError
 from stages.sequences import micro_batches
 from stages.trainer import next_token_log_probs
@@ -173,14 +173,17 @@ class PolicyWorker(TrainedRole):
         return plan_buckets(((name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
                              for name, p in self._sync_params().items()), bucket_bytes)
 
-    def weight_sync_endpoint(self) -> tuple[str, int]:
-        return node_address(), free_port()
+    def weight_sync_endpoint(self, world_size: int) -> tuple[str, int]:
+        """Rank 0 only: host the weight-sync group's store on this node's address; where to reach it."""
+        self._sync_listener, self._sync_store = host_store(node_address(), world_size)
+        return node_address(), self._sync_listener.getsockname()[1]
 
     def open_weight_sync(self, master_addr: str, master_port: int, world_size: int, backend: str) -> None:
-        """Rank 0 only: become rank 0 of the weight-sync group (it hosts the group's store)."""
+        """Rank 0 only: become rank 0 of the weight-sync group."""
         from stages.weight_sync import open_group
 
         self._sync_group = open_group(master_addr, master_port, 0, world_size, backend, local_addr=node_address(),
+                                      store=self._sync_store,
                                       device=torch.device("cuda", torch.cuda.current_device())
                                       if backend == "nccl" else None)
 
@@ -428,9 +431,9 @@ class Roles:
 
         self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
         rank0 = self.actor.actors[0]
-        addr, port = ray.get(rank0.weight_sync_endpoint.remote())
         tp = self.cfg.vllm_tensor_parallel_size
         world = 1 + len(self.engines) * tp
+        addr, port = ray.get(rank0.weight_sync_endpoint.remote(world))
         ray.get([rank0.open_weight_sync.remote(addr, port, world, backend)]
                 + [engine.init_weight_sync.remote(addr, port, 1 + i * tp, world, backend)
                    for i, engine in enumerate(self.engines)])

@@ -55,15 +55,17 @@ class SyncGroup:
 
 
 def open_group(master_addr: str, master_port: int, rank: int, world_size: int, backend: str, *,
-               local_addr: str, device=None) -> SyncGroup:
-    """A standalone process group of `world_size` ranks; rank 0 hosts its TCPStore at master_addr:master_port.
+               local_addr: str, device=None, store=None) -> SyncGroup:
+    """A standalone process group of `world_size` ranks; rank 0 hosts its store at master_addr:master_port and
+    passes it in `store` (stages.distributed.host_store), the others connect to it.
 
     `local_addr` is this process's node address: gloo binds its sockets there (loopback on a local cluster), not
     on whatever the host name resolves to. `device` is this rank's GPU with nccl.
     """
     from torch.distributed import PrefixStore, TCPStore
 
-    store = TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=SYNC_TIMEOUT)
+    if store is None:
+        store = TCPStore(master_addr, master_port, world_size, is_master=False, timeout=SYNC_TIMEOUT)
     prefixed = PrefixStore("weight-sync", store)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo

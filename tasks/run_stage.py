@@ -3,7 +3,8 @@
 One call: resolve the stage config (input artifact URIs go into its fields), derive the stage key, return the
 committed artifact if one with that key exists, else submit (or re-attach to) the Ray job
 `python -m stages.<stage> --config <workspace>/config.yaml --save_path <workspace>/output [--ckpt_path
-<workspace>/ckpt]`, stream its log into the Prefect log, watch it against a deadline, and commit `output/`.
+<workspace>/ckpt]`, stream its log into the Prefect log (secrets redacted, step lines moving a progress
+artifact), watch it against a deadline, and commit `output/`.
 
 The workspace `<workspace_root>/<pipeline>/<stage>/<stage_key[:16]>/` depends only on the stage key, so
 every attempt of the same stage, in this flow run or a retried one, finds the checkpoints of the last.
@@ -25,9 +26,12 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from pydantic import BaseModel
 
-from infra.artifacts import InputRef, Manifest, open_store
+from infra.artifacts import InputRef, Manifest, open_store, read_metrics
 from infra.ray_cluster import RayClusterError, job_client
+from infra.secrets import Redactor
 from infra.settings import PROJECT_ROOT, Settings, get_settings
+from stages.launch import writer_lock_holder, writer_lock_path
+from tasks.progress import StageProgress
 
 # Input role (the key in `inputs`) -> config field that receives the input artifact's URI.
 INPUT_FIELDS = {
@@ -168,10 +172,12 @@ def submission_id(key: str, attempt: int) -> str:
 
 
 class _LogForwarder:
-    """Copies the new part of a job's log into the Prefect log, whole lines only."""
+    """Copies the new part of a job's log into the Prefect log, whole lines only, secrets redacted; hands the
+    new lines to the stage's progress artifact."""
 
-    def __init__(self, client, job_id: str, logger):
+    def __init__(self, client, job_id: str, logger, redact: Redactor, progress: StageProgress):
         self.client, self.job_id, self.logger = client, job_id, logger
+        self.redact, self.progress = redact, progress
         self.offset = 0
         self.text = ""
 
@@ -180,22 +186,29 @@ class _LogForwarder:
         new = self.text[self.offset :]
         if not final:
             new = new[: new.rfind("\n") + 1]
-        for line in new.splitlines():
-            self.logger.info(line)
+        lines = new.splitlines()
+        for line in lines:
+            self.logger.info(self.redact.text(line))
         self.offset += len(new)
+        self.progress.update(lines)
 
     def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.text.splitlines()[-lines:])
+        return self.redact.text("\n".join(self.text.splitlines()[-lines:]))
 
 
-def _watch(client, job_id: str, deadline_s: float, poll_s: float, logger) -> tuple[Any, str]:
+def _watch(client, address: str, job_id: str, deadline_s: float, poll_s: float, logger,
+           logs: _LogForwarder) -> tuple[Any, str]:  # fmt: skip
     """Follow the job to a terminal state; returns (info, log tail). Stops the job on deadline or cancel."""
-    logs = _LogForwarder(client, job_id, logger)
     started = time.monotonic()
     try:
         while True:
-            info = client.get_job_info(job_id)
-            logs.forward()
+            try:
+                info = client.get_job_info(job_id)
+                logs.forward()
+            except OSError as err:  # requests' connection errors are OSErrors
+                raise RayClusterError(
+                    f"lost the Ray cluster at {address} while watching job {job_id}: {err}"
+                ) from err
             if info.status.value in TERMINAL_STATUSES:
                 logs.forward(final=True)
                 return info, logs.tail()
@@ -204,7 +217,7 @@ def _watch(client, job_id: str, deadline_s: float, poll_s: float, logger) -> tup
                 client.stop_job(job_id)
                 raise StageTimeout(f"job {job_id} ran longer than {deadline_s:.0f}s and was stopped")
             time.sleep(poll_s)
-    except StageTimeout:
+    except (StageTimeout, RayClusterError):
         raise
     except BaseException:
         # Cancellation, worker shutdown (SIGTERM becomes an exception here) or a lost connection:
@@ -217,7 +230,7 @@ def _watch(client, job_id: str, deadline_s: float, poll_s: float, logger) -> tup
         raise
 
 
-def _raise_for_failure(stage: str, job_id: str, info, log_tail: str) -> None:
+def _raise_for_failure(stage: str, job_id: str, info, log_tail: str, redact: Redactor) -> None:
     status = info.status.value
     if status == "STOPPED":
         raise StageStopped(f"stage {stage}: job {job_id} was stopped from outside\n{log_tail}")
@@ -226,7 +239,7 @@ def _raise_for_failure(stage: str, job_id: str, info, log_tail: str) -> None:
         raise StageConfigError(f"stage {stage}: config or data error (job {job_id}, exit 2):\n{log_tail}")
     # Ray's message repeats the log; its first line says what happened (node died, supervisor lost, ...).
     reason = (info.message or "").split("\n", 1)[0] or (info.error_type.value if info.error_type else "unknown")
-    raise StageError(f"stage {stage}: job {job_id} failed, exit code {exit_code}: {reason}\n{log_tail}")
+    raise StageError(redact.text(f"stage {stage}: job {job_id} failed, exit code {exit_code}: {reason}\n{log_tail}"))
 
 
 def _publish(result: StageResult, logger) -> None:
@@ -265,11 +278,12 @@ def run_stage(
     """Run `stage` with `config` on `inputs` (role -> upstream result) as a Ray job; return its artifact."""
     settings = get_settings()
     logger = get_run_logger()
+    redact = Redactor()
     inputs = inputs or {}
     resolved = resolve_config(stage, config, inputs)
     code = stage_code_version(settings)
     key = stage_key(pipeline, stage, resolved, {role: r.digest for role, r in inputs.items()}, code)
-    store = open_store(artifact_root, pipeline)
+    store = open_store(artifact_root, pipeline, log=logger.warning)
 
     existing = store.find_by_stage_key(stage, key)
     if existing is not None:
@@ -297,6 +311,10 @@ def run_stage(
         logger.info(f"{stage}: job {job_id} already succeeded; committing its output")
     else:
         job_id = submission_id(key, attempt + 1)
+        writer = writer_lock_holder(writer_lock_path(str(output_dir), str(ckpt_dir) if checkpoints else None))
+        if writer is not None:  # e.g. a job of a lost Ray head that still runs: never two writers
+            raise StageError(f"stage {stage}: workspace {workspace} is still being written by {writer}; "
+                             "retry when it has finished")
         shutil.rmtree(output_dir, ignore_errors=True)  # a half-written output of a failed attempt
         output_dir.mkdir(parents=True, exist_ok=True)
         if checkpoints:
@@ -315,9 +333,14 @@ def run_stage(
         resumed = checkpoints and any(ckpt_dir.iterdir())
         logger.info(f"{stage}: submitted job {job_id} ({entrypoint}){'; checkpoints present' if resumed else ''}")
 
-    info, log_tail = _watch(client, job_id, deadline_s or settings.stage_deadline_s, settings.poll_interval_s, logger)
+    progress = StageProgress(artifact_key(pipeline, stage, "progress"), stage)
+    logs = _LogForwarder(client, job_id, logger, redact, progress)
+    deadline = deadline_s or settings.stage_deadline_s
+    info, log_tail = _watch(client, settings.ray_address, job_id, deadline, settings.poll_interval_s, logger, logs)
     if info.status.value != "SUCCEEDED":
-        _raise_for_failure(stage, job_id, info, log_tail)
+        _raise_for_failure(stage, job_id, info, log_tail, redact)
+    metrics = read_metrics(output_dir)
+    progress.finish(metrics.get("steps") if isinstance(metrics.get("steps"), int) else None)
 
     # A concurrent run with the same stage key may have committed first: use its version.
     existing = store.find_by_stage_key(stage, key)
@@ -326,9 +349,10 @@ def run_stage(
     manifest = store.commit(
         stage,
         output_dir,
-        config=resolved,
+        config=redact.data(resolved),
         inputs={role: InputRef(uri=r.uri, digest=r.digest) for role, r in inputs.items()},
         code_version=code,
+        metrics=redact.data(metrics),
         stage_key=key,
     )
     result = StageResult.from_manifest(manifest)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a local S3 endpoint (moto server) and artifact roots on both backends."""
+"""Shared fixtures: a local S3 endpoint (moto server), artifact roots on both backends, the test output folder."""
 
 from __future__ import annotations
 
@@ -15,6 +15,23 @@ from pathlib import Path
 import pytest
 
 MOTO_BUCKET = "rlhf-test"
+# What tests save for a person to look at (screenshots); listed at the end of the test report.
+TEST_OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
+_SESSION_STARTED = time.time()
+
+
+@pytest.fixture(scope="session")
+def test_output_dir() -> Path:
+    TEST_OUTPUT_DIR.mkdir(exist_ok=True)
+    return TEST_OUTPUT_DIR
+
+
+def pytest_terminal_summary(terminalreporter):
+    saved = sorted(p for p in TEST_OUTPUT_DIR.glob("*") if p.is_file() and p.stat().st_mtime >= _SESSION_STARTED)
+    if saved:
+        terminalreporter.section("test outputs")
+        for path in saved:
+            terminalreporter.write_line(str(path))
 
 
 def free_port() -> int:

@@ -272,3 +272,47 @@ def test_plain_path_and_file_uri_are_the_same_store(tmp_path):
     via_uri = ArtifactStore((tmp_path / "root").as_uri(), "pipe")
     assert via_uri.versions("sft") == [1]
     assert via_uri.get("sft").uri == f"{(tmp_path / 'root').as_uri()}/pipe/sft/v0001"
+
+
+def test_gc_removes_what_killed_writers_left_after_the_grace_period(store_root, tmp_path):
+    """A writer killed after its claim leaves a staging entry and a version folder without manifest: the gc
+    command keeps them while they are young (a live writer's), removes them once old; versions are untouched."""
+    store = open_store(store_root, "pipe")
+    store.commit("sft", make_source(tmp_path / "first", "first"), config={})
+    proc, log = start_writer(store_root, "sft", make_source(tmp_path / "big", "big"), "killed", tmp_path,
+                             env={PAUSE_ENV: "move:2"})  # fmt: skip
+    try:
+        wait_for_line(log, "paused at move:2", proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    leftovers = store.garbage("sft", grace_s=0)
+    assert any("/_staging/" in path for path in leftovers) and any(path.endswith("/v0002") for path in leftovers)
+
+    def gc(grace_s: float) -> str:
+        done = subprocess.run([sys.executable, "-m", "infra.artifacts", "gc", store_root, "--grace-s", str(grace_s)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert gc(3600) == "" and store.garbage("sft", grace_s=0) == leftovers
+    assert sorted(line.removeprefix("removed ") for line in gc(0).splitlines()) == sorted(
+        store._uri(path) for path in leftovers)  # fmt: skip
+    assert store.garbage("sft", grace_s=0) == []
+    assert store.versions("sft") == [1]
+    store.verify(store.get("sft", 1))
+
+
+def test_commit_cleans_leftovers_older_than_the_grace_period(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    leftover = f"{store._stage_path('sft')}/_staging/{'0' * 32}/weights.bin"
+    store.fs.pipe_file(leftover, b"half an upload")
+    store.commit("sft", make_source(tmp_path / "a", "a"), config={})
+    assert store.garbage("sft", grace_s=0) != []  # younger than the default grace: kept
+
+    messages = []
+    impatient = ArtifactStore(store_root, "pipe", store.storage_options, staging_grace_s=0, log=messages.append)
+    impatient.commit("sft", make_source(tmp_path / "b", "b"), config={})
+    assert impatient.garbage("sft", grace_s=0) == []
+    assert any("removed" in message and "_staging" in message for message in messages), messages
+    assert impatient.versions("sft") == [1, 2]

@@ -1,10 +1,11 @@
 """run_stage mechanics against a real Prefect server and a real local Ray head, with a stage that does no ML
 (tests/fake_stages/toy.py): idempotence, retry classification, resume, log streaming, deadline, re-attach,
-Prefect artifacts."""
+Prefect artifacts, progress, the workspace's single writer, secrets kept out of what the run writes."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,15 +18,18 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
+from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 from prefect.testing.utilities import prefect_test_harness
 from pydantic import BaseModel
 
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import get_settings
+from stages.launch import writer_lock, writer_lock_path
 from tasks.promote import PromotionGate, promote
 from tasks.run_stage import (
     StageConfigError,
+    StageError,
     StageResult,
     StageTimeout,
     resolve_config,
@@ -45,6 +49,8 @@ class ToyConfig(BaseModel):
     pretrain: str | None = None
     sleep_s: float = 0.0
     config_error: bool = False
+    steps: int = 0
+    leak_env: list[str] = []
     save_path: str = ""
     ckpt_path: str = ""
 
@@ -176,6 +182,76 @@ def test_deadline_stops_the_job(env, monkeypatch):
     while attempts_of(env, config) != ["STOPPED"] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert attempts_of(env, config) == ["STOPPED"]
+
+
+def toy_workspace(config: ToyConfig) -> Path:
+    settings = get_settings()
+    key = stage_key(PIPELINE, "toy", resolve_config("toy", config, {}), {}, stage_code_version(settings))
+    return Path(settings.workspace_root) / PIPELINE / "toy" / key[:16]
+
+
+def test_progress_artifact_follows_the_step_lines(env):
+    state = run_toy(env, ToyConfig(value=11, steps=4))
+    assert state.result().metrics["steps"] == 4
+    with get_client(sync_client=True) as client:
+        (progress,) = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            any_=["toy-pipe-toy-progress"])), flow_run_filter=None)  # fmt: skip
+    assert progress.type == "progress" and progress.data == 100.0
+    assert progress.description == "toy: 4/4 steps, finished"
+    logs = flow_run_logs(state.state_details.flow_run_id, "[toy] step 4/4")
+    assert "[toy] step 2/4 (50%, elapsed 0:00:02, ETA 0:00:02) value=11" in logs
+
+
+def test_a_second_writer_is_refused_before_touching_the_workspace(env):
+    config = ToyConfig(value=12)
+    workspace = toy_workspace(config)
+    (workspace / "output").mkdir(parents=True)
+    (workspace / "output" / "partial.bin").write_bytes(b"written by the holder")
+    with writer_lock(writer_lock_path(str(workspace / "output"), str(workspace / "ckpt"))):
+        state = run_toy(env, config)
+    with pytest.raises(StageError, match=r"still being written by pid \d+"):
+        state.result()
+    assert attempts_of(env, config) == []  # no job submitted
+    assert (workspace / "output" / "partial.bin").exists()  # nor the holder's output wiped
+
+
+def test_secret_values_are_redacted_from_everything_the_run_writes(env, monkeypatch):
+    """The job prints secrets of its environment (inherited from the head, as in production) and fails once
+    with them in its error; neither Prefect (logs, states, artifacts: its database file) nor the workspace,
+    the store or the Ray job's metadata may hold them."""
+    canaries = {name: f"canary-{name.lower()}-{uuid.uuid4().hex}" for name in
+                ("HF_TOKEN", "WEBHOOK_SECRET_URL", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN")}
+    for name, value in canaries.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="secret variables"):
+        get_settings(job_env_passthrough=["RLHF_FAULT_INJECT", "HF_TOKEN"])
+    config = ToyConfig(value=13, leak_env=list(canaries))
+    with LocalRayHead(num_cpus=1, auth_mode="disabled") as head:  # started with the secrets in its env
+        monkeypatch.setenv("RLHF_RAY_ADDRESS", head.address)
+        state = run_toy(env, config)
+        client = job_client(head.address)
+        jobs = [client.get_job_info(job.submission_id) for job in client.list_jobs()]
+    assert state.result().metrics["resumed_from_step"] == 1  # failed once (secrets in its error), then passed
+    assert len(jobs) == 2
+
+    logs = flow_run_logs(state.state_details.flow_run_id, "toy: done")
+    assert "could not authenticate with HF_TOKEN=[redacted HF_TOKEN]" in logs  # redacted, not dropped
+    (failure,) = [line for line in logs.splitlines() if line.startswith("Task run failed with exception")]
+    assert "StageError" in failure and "[redacted WANDB_API_KEY]" in failure  # the error that carried them
+
+    written = {}
+    database = Path(PREFECT_API_DATABASE_CONNECTION_URL.value().split("///", 1)[1])
+    for path in [*database.parent.glob(database.name + "*"), *Path(env["root"]).rglob("*"),
+                 *get_settings().workspace_root.rglob("*")]:  # fmt: skip
+        if path.is_file():
+            written[str(path)] = path.read_bytes()
+    # What we hand Ray; Ray's own copy of the job's output (its logs, a failed job's message) is the cluster's.
+    written.update({f"ray job {job.submission_id}": repr((job.entrypoint, job.metadata, job.runtime_env)).encode()
+                    for job in jobs})
+    assert any("prefect" in name for name in written) and any("MANIFEST.json" in name for name in written)
+    leaks = [(where, name) for where, data in written.items() for name, value in canaries.items()
+             if value.encode() in data]  # fmt: skip
+    assert leaks == []
 
 
 def test_running_attempt_is_reattached_not_duplicated(env):

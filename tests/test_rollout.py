@@ -10,7 +10,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages.model_io import load_causal_lm, load_tokenizer, save_hf
-from stages.distributed import free_port, node_address
+from stages.distributed import host_store, node_address
 from stages.rollout import create_rollout_engines, encode_prompt, resolve_backend, vllm_available
 from stages.tiny import build_tiny_model, format_response
 from stages.weight_sync import open_group, plan_buckets, send_bucket
@@ -167,10 +167,11 @@ class WeightSender:
         self.weights = weights
 
     def endpoint(self) -> tuple[str, int]:
-        return node_address(), free_port()
+        self.listener, self.store = host_store(node_address(), 2)
+        return node_address(), self.listener.getsockname()[1]
 
     def open(self, addr: str, port: int, world_size: int) -> None:
-        self.group = open_group(addr, port, 0, world_size, "gloo", local_addr=node_address())
+        self.group = open_group(addr, port, 0, world_size, "gloo", local_addr=node_address(), store=self.store)
 
     def send(self, buckets) -> None:
         for bucket in buckets:

@@ -2,8 +2,10 @@
 --save_path OUT --ckpt_path CKPT`.
 
 Config fields: value (int), pretrain (an input URI or null), sleep_s (seconds to run), config_error (bool:
-exit 2 naming the field). It checkpoints step 1, honours RLHF_FAULT_INJECT=toy:after_checkpoint (exit 3 after
-the first checkpoint, only when none existed at start) and writes result.json and metrics.json.
+exit 2 naming the field), steps (step lines to print, in the stages' progress format), leak_env (names of
+variables whose values it prints, as a careless library would; with no checkpoint yet it also fails with them in
+its error). It checkpoints step 1, honours RLHF_FAULT_INJECT=toy:after_checkpoint (exit 3 after the first
+checkpoint, only when none existed at start) and writes result.json and metrics.json.
 """
 
 import argparse
@@ -37,11 +39,26 @@ def main() -> None:
         print("toy: fault injected after checkpoint", file=sys.stderr, flush=True)
         sys.exit(3)
 
+    leaked = " ".join(f"{name}={os.environ.get(name)}" for name in cfg.get("leak_env") or [])
+    if leaked:
+        print(f"toy: environment {leaked}", flush=True)
+        if resumed_from_step == 0:
+            print(f"toy: error: could not authenticate with {leaked}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    steps = int(cfg.get("steps", 0))
+    for step in range(1, steps + 1):
+        print(f"[toy] step {step}/{steps} ({100 * step // steps}%, elapsed 0:00:{step:02d}, "
+              f"ETA 0:00:{steps - step:02d}) value={cfg['value']} loss={1 / step:.4f}", flush=True)
+        time.sleep(0.2)
     time.sleep(float(cfg.get("sleep_s", 0)))
     out = Path(args.save_path)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps({"value": cfg["value"], "pretrain": cfg.get("pretrain")}))
-    (out / "metrics.json").write_text(json.dumps({"value": cfg["value"], "resumed_from_step": resumed_from_step}))
+    metrics = {"value": cfg["value"], "resumed_from_step": resumed_from_step}
+    if steps:
+        metrics["steps"] = steps
+    (out / "metrics.json").write_text(json.dumps(metrics))
     print("toy: done", flush=True)
 
 
