@@ -30,23 +30,37 @@ def cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def cpu_rank_env() -> dict[str, str]:
-    """Environment every CPU rank needs: one thread per rank (two ranks on two cores run 2x slower otherwise)."""
-    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def cpu_rank_env(threads: int = 1) -> dict[str, str]:
+    """Environment of a CPU rank: its share of the node's cores as compute threads (more threads than cores, e.g.
+    two ranks of two threads on two cores, run about 2x slower)."""
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def cpu_threads(processes_per_node: int) -> int:
+    """Compute threads of each of `processes_per_node` CPU processes that work at the same time on a node.
+
+    The RL stage's models take turns on CPU (generation, then each model's forward, then training), so each
+    model's ranks get all the cores between them rather than a fixed share of one.
+    """
+    cores = min((node["Resources"].get("CPU", 1) for node in ray.nodes() if node["Alive"]), default=1)
+    return max(1, int(cores) // max(processes_per_node, 1))
 
 
 class RankWorker:
     """Base class of every rank actor: sets up the process as one torch.distributed rank."""
 
-    def __init__(self, rank: int, world_size: int, device: str):
+    def __init__(self, rank: int, world_size: int, device: str, threads: int = 1):
+        from stages.tracking import silence_known_noise
+
+        silence_known_noise()
         self.rank = rank
         self.world_size = world_size
         self.device = device
         if device == "cpu":
-            os.environ.update(cpu_rank_env())
+            os.environ.update(cpu_rank_env(threads))
             import torch
 
-            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
 
     def master_endpoint(self) -> tuple[str, int]:
         """Host the rendezvous store on rank 0 (this rank), listening on the node's address only.
@@ -57,8 +71,9 @@ class RankWorker:
         self._rendezvous_socket, self._rendezvous_store = host_store(node_address())
         return node_address(), self._rendezvous_socket.getsockname()[1]
 
-    def join(self, master_addr: str, master_port: int) -> None:
+    def join(self, endpoint: tuple[str, int]) -> None:
         """Set the torch.distributed environment a launcher would (the Ray path has no launcher)."""
+        master_addr, master_port = endpoint
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -78,8 +93,22 @@ class RankWorker:
         import deepspeed
         import torch.distributed as dist
 
+        if self.device == "cpu":
+            skip_deepspeed_shm_comm()
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
+
+
+def skip_deepspeed_shm_comm() -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce op at init.
+
+    Building it means probing a compiler for every DeepSpeed op on each start (tens of seconds per rank, more on a
+    busy machine) and a ~35 s JIT compile on a fresh machine; only DeepSpeed's inference kernels use the op, never
+    ZeRO training, which all-reduces through gloo. An empty compatibility table answers the probe before it runs.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {}
 
 def node_address() -> str:
     return ray.util.get_node_ip_address()
@@ -135,10 +164,10 @@ class ActorGroup:
     """`num_ranks` instances of a RankWorker subclass, rank i on bundle i; calls are dispatched to all ranks."""
 
     def __init__(self, worker_cls: type, num_ranks: int, device: str, *, placement: Placement | None = None,
-                 name: str = "group"):
+                 name: str = "group", threads: int = 1):
         self.name = name
         self.placement = placement or make_placement(num_ranks, device)
-        env_vars = cpu_rank_env() if device == "cpu" else {}
+        env_vars = cpu_rank_env(threads) if device == "cpu" else {}
         remote_cls = ray.remote(worker_cls)
         self.actors = []
         for rank in range(num_ranks):
@@ -150,10 +179,13 @@ class ActorGroup:
                 ),
                 runtime_env={"env_vars": env_vars},
             )
-            self.actors.append(remote_cls.options(**options).remote(rank, num_ranks, device))
-        # Rank 0 hosts the rendezvous on its own node, which need not be the driver's.
-        master_addr, master_port = ray.get(self.actors[0].master_endpoint.remote())
-        ray.get([actor.join.remote(master_addr, master_port) for actor in self.actors])
+            self.actors.append(remote_cls.options(**options).remote(rank, num_ranks, device, threads))
+        self._joined = self.actors[0].master_endpoint.remote()
+
+    def rendezvous(self) -> list[ray.ObjectRef]:
+        """Give every rank the address rank 0 hosts the rendezvous at (on its own node, which need not be the
+        driver's). Returns the calls to wait for, so that several groups can start side by side."""
+        return [actor.join.remote(self._joined) for actor in self.actors]
 
     @property
     def world_size(self) -> int:

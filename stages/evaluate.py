@@ -26,7 +26,7 @@ from ray.util.placement_group import placement_group
 
 from stages import data
 from stages import engine as ds
-from stages.distributed import ActorGroup, Placement, cluster_device, init_ray
+from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
 from stages.launch import stage_main
 from stages.rewards import load_reward_source
 from stages.roles import RewardModelWorker, bundle_resources
@@ -74,6 +74,7 @@ class Evaluation:
                 dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
                 enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
                 num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0.0),
+                cpu_threads=cpu_threads(cfg.vllm_num_engines),
             )
         self.loaded = path
 
@@ -156,7 +157,8 @@ def run(cfg) -> dict[str, Any]:
         ray.get(group.ready())
         reward_group = ActorGroup(RewardModelWorker, cfg.world_size, device, name="reward",
                                   placement=Placement(group, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                                                      owned=True))
+                                                      owned=True), threads=cpu_threads(cfg.num_gpus_per_node))
+        ray.get(reward_group.rendezvous())
         reward_group.run("setup", cfg.model_dump(), EvaluateConfig)
     evaluation = Evaluation(cfg, prompts, tokenizer.pad_token_id, reward_group, bundle)
     try:

@@ -29,9 +29,10 @@ class StageInputError(ValueError):
 
 def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
     """Run `setup` then `fit` on every rank; returns rank 0's result."""
+    import ray
     import torch
 
-    from stages.distributed import ActorGroup, cluster_device, init_ray, launched_by_torch_launcher
+    from stages.distributed import ActorGroup, cluster_device, cpu_threads, init_ray, launched_by_torch_launcher
     from stages.engine import claim_checkpoints, fault_injection_requested
 
     fault = fault_injection_requested(stage)
@@ -47,7 +48,8 @@ def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
     start_step = claim_checkpoints(stage, cfg) if cfg.ckpt_path else 0
     init_ray()
     device = cluster_device(cfg.device)
-    group = ActorGroup(worker_cls, cfg.world_size, device, name=stage)
+    group = ActorGroup(worker_cls, cfg.world_size, device, name=stage, threads=cpu_threads(cfg.num_gpus_per_node))
+    ray.get(group.rendezvous())
     try:
         info = group.run("setup", cfg.model_dump(), config_cls)[0]
         print(f"[{stage}] {group.world_size} ranks on {device}: {json.dumps(info)}", flush=True)
@@ -107,8 +109,10 @@ def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str
     """Parse the stage's flags, run `body(cfg)` holding the writer lock (rank 0), map failures to exit codes."""
     from stages.config import parse_stage_args
     from stages.data import DataValidationError
+    from stages.tracking import silence_known_noise
 
     cfg = parse_stage_args(stage, argv)
+    silence_known_noise()
     lock = (writer_lock(writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None)))
             if os.environ.get("RANK", "0") == "0" else nullcontext())  # under a launcher rank 0 holds it
     try:

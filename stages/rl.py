@@ -19,6 +19,7 @@ One step, as the driver runs it:
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -157,6 +158,13 @@ def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: 
 
 # ----------------------------------------------------------------------------- one step
 
+def rollout_is_one_update(cfg) -> bool:
+    """True when each rollout makes exactly one optimizer step and no KL goes into the reward: the policy that
+    sampled is the one being updated, so its log-probs come from the training forward itself (no extra pass)."""
+    one_step = cfg.max_epochs == 1 and cfg.rollout_batch_size * cfg.n_samples_per_prompt == cfg.train_batch_size
+    return one_step and not (cfg.uses_reference and not cfg.use_kl_loss)
+
+
 def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, kl_ctl,
                     timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Sequences, log-probs, values, KL, advantages and returns of one rollout batch."""
@@ -169,25 +177,32 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
     truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
     reward = shape_rewards(cfg, reward_batch.rewards, lengths, truncated)
 
-    # Every model reads the same sequences: dispatch them all at once, note when each one's answer is in.
+    forwards = [(role, method, phase) for role, method, phase in (
+        ("actor", "log_probs", "actor_logprobs"), ("ref", "log_probs", "ref_logprobs"),
+        ("critic", "values", "critic_values"),
+    ) if roles.get(role) is not None and not (role == "actor" and rollout_is_one_update(cfg))]
+    results = {}
     with timer.phase("experience"):
-        started = time.perf_counter()
-        pending = {"actor_logprobs": roles.actor.run_sharded_async("log_probs",
-                                                                   split_rows(experience, roles.actor.world_size))}
-        for role, method, phase in (("ref", "log_probs", "ref_logprobs"), ("critic", "values", "critic_values")):
-            if roles.get(role) is not None:
-                pending[phase] = roles.get(role).run_sharded_async(method, split_rows(experience,
-                                                                                      roles.get(role).world_size))
-        results = {}
-        for phase, refs in pending.items():  # each phase: time until that model's answers were all in
-            results[phase] = torch.cat(ray.get(refs))
-            timer.add(f"experience_{phase}", time.perf_counter() - started)
+        if roles.sequential:
+            for role, method, phase in forwards:
+                with timer.phase(f"experience_{phase}"):
+                    group = roles.get(role)
+                    results[phase] = torch.cat(group.run_sharded(method, split_rows(experience, group.world_size)))
+        else:  # every model reads the same sequences on GPUs of its own: all at once
+            started = time.perf_counter()
+            pending = {phase: roles.get(role).run_sharded_async(method, split_rows(experience,
+                                                                                   roles.get(role).world_size))
+                       for role, method, phase in forwards}
+            for phase, refs in pending.items():  # each phase: time until that model's answers were all in
+                results[phase] = torch.cat(ray.get(refs))
+                timer.add(f"experience_{phase}", time.perf_counter() - started)
     with timer.phase("advantages"):
-        experience["old_logp"] = results["actor_logprobs"]
-        experience["ref_logp"] = results.get("ref_logprobs", torch.zeros_like(experience["old_logp"]))
-        kl = (algo.compute_kl(experience["old_logp"], experience["ref_logp"], cfg.kl_estimator) * mask
-              if cfg.uses_reference else torch.zeros_like(mask))
+        if "actor_logprobs" in results:
+            experience["old_logp"] = results["actor_logprobs"]
+        experience["ref_logp"] = results.get("ref_logprobs", torch.zeros_like(mask))
         in_reward = cfg.uses_reference and not cfg.use_kl_loss
+        kl = (algo.compute_kl(experience["old_logp"], experience["ref_logp"], cfg.kl_estimator) * mask
+              if in_reward or (cfg.uses_reference and "old_logp" in experience) else torch.zeros_like(mask))
         values = results.get("critic_values")
         experience["advantages"], experience["returns"] = algo.compute_advantages(
             cfg.advantage_estimator, reward, mask, n_samples_per_prompt=cfg.n_samples_per_prompt,
@@ -196,11 +211,9 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
         )
         if values is not None:
             experience["old_values"] = values
-    sequence_kl = float(algo.masked_sum(kl, mask) / len(rollouts))
     stats = {
         "reward": float(reward_batch.rewards.mean()),
         "shaped_reward": float(reward.mean()),
-        "kl": sequence_kl,
         "kl_coef": kl_ctl.value,
         "response_length": float(lengths.mean()),
         "truncated_fraction": float(truncated.float().mean()),
@@ -208,33 +221,45 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
             experience["advantages"], mask)).square(), mask).sqrt()),
         **{f"reward_{key}": value for key, value in reward_batch.extra_logs.items()},
     }
-    kl_ctl.update(sequence_kl, len(rollouts))
+    if "old_logp" in experience:  # else the training forward measures it
+        stats["kl"] = float(algo.masked_sum(kl, mask) / len(rollouts))
     return experience, stats
 
 
-def train_on_experience(cfg, roles: Roles, experience: dict[str, torch.Tensor], step: int, gpu: bool,
-                        timer: PhaseTimer) -> tuple[dict[str, float], bool]:
-    """`max_epochs` passes of optimizer steps over the experience; returns (mean stats, whether the actor moved)."""
+def train_on_experience(cfg, roles: Roles, experience: dict[str, torch.Tensor], step: int, kl_coef: float,
+                        gpu: bool, timer: PhaseTimer) -> tuple[dict[str, float], bool]:
+    """`max_epochs` passes of optimizer steps over the experience; returns (mean stats, whether the actor moved).
+
+    The actor's `kl_sum` (KL measured in its training forward when no separate log-prob pass ran) comes back as
+    `kl`, the mean sequence KL, like make_experience's.
+    """
     critic = roles.get("critic")
     train_actor = not (cfg.freezing_actor_steps > 0 and step < cfg.freezing_actor_steps)
     trained = ([critic] if critic is not None else []) + ([roles.actor] if train_actor else [])
-    keys = {id(critic): CRITIC_KEYS, id(roles.actor): ACTOR_KEYS}
+    actor_keys = tuple(key for key in ACTOR_KEYS if key in experience)
+    jobs = {id(group): (CRITIC_KEYS, {}) for group in trained if group is critic}
+    jobs[id(roles.actor)] = (actor_keys, {"kl_coef": kl_coef})
     totals: dict[str, float] = {}
-    updates = 0
     with timer.phase("training"):
-        if cfg.deepspeed_enable_sleep and gpu:
-            # One model's training states on the GPUs at a time.
+        if roles.sequential or (cfg.deepspeed_enable_sleep and gpu):
+            # One model at a time: all CPU cores for it, or (GPU sleep) only its training states on the GPUs.
             for group in trained:
-                group.run("reload_states")
-                _run_updates(cfg, [group], keys, experience, step, totals)
-                group.run("offload_states")
+                sleeping = cfg.deepspeed_enable_sleep and gpu
+                if sleeping:
+                    group.run("reload_states")
+                _run_updates(cfg, [group], jobs, experience, step, totals)
+                if sleeping:
+                    group.run("offload_states")
         else:
-            _run_updates(cfg, trained, keys, experience, step, totals)
-        updates = cfg.max_epochs * -(-len(experience["input_ids"]) // cfg.train_batch_size)
-    return {key: value / updates for key, value in totals.items()}, train_actor
+            _run_updates(cfg, trained, jobs, experience, step, totals)
+    updates = cfg.max_epochs * -(-len(experience["input_ids"]) // cfg.train_batch_size)
+    stats = {key: value / updates for key, value in totals.items() if key != "kl_sum"}
+    if "kl_sum" in totals:
+        stats["kl"] = totals["kl_sum"] / len(experience["input_ids"])
+    return stats, train_actor
 
 
-def _run_updates(cfg, groups: list, keys: dict, experience: dict[str, torch.Tensor], step: int,
+def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tensor], step: int,
                  totals: dict[str, float]) -> None:
     generator = torch.Generator().manual_seed(cfg.seed * 31 + step)
     for _ in range(cfg.max_epochs):
@@ -243,12 +268,27 @@ def _run_updates(cfg, groups: list, keys: dict, experience: dict[str, torch.Tens
             step_tokens = float(experience["action_mask"][chunk].sum())
             refs = []
             for group in groups:
-                step_batch = {key: experience[key][chunk] for key in keys[id(group)]}
+                keys, kwargs = jobs[id(group)]
+                step_batch = {key: experience[key][chunk] for key in keys}
                 refs += group.run_sharded_async("train_step", split_rows(step_batch, group.world_size),
-                                                step_tokens=step_tokens)
+                                                step_tokens=step_tokens, **kwargs)
             for stats in ray.get(refs):
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
+
+
+def check_finite(record: dict[str, Any], step: int, ckpt_path: str) -> None:
+    """Stop (exit 2) at the first step whose losses or KL are not finite: nothing of this step is saved, so the
+    newest checkpoint is the last good one."""
+    bad = {key: record[key] for key in ("policy_loss", "critic_loss", "kl_loss", "kl", "entropy")
+           if key in record and not math.isfinite(record[key])}
+    if bad:
+        last = ds.latest_checkpoint_step(ckpt_path)
+        raise StageInputError(
+            f"step {step + 1}: {', '.join(f'{k}={v}' for k, v in bad.items())} is not finite; training stopped. "
+            + (f"The last good checkpoint, step {last}, is kept in {ckpt_path}" if last else "No checkpoint was saved")
+            + "; lower the learning rates or check the rewards before resuming."
+        )
 
 
 def drift_warnings(cfg, first: dict[str, Any], record: dict[str, Any]) -> dict[str, str]:
@@ -293,8 +333,14 @@ def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) ->
 # ----------------------------------------------------------------------------- the stage
 
 def run(cfg) -> dict[str, Any]:
+    import psutil
+
     from stages.config import RLConfig
     from stages.model_io import load_tokenizer, resolve_model_path
+
+    # From the start of this process to here: interpreter, imports, flag parsing.
+    parts = {"imports": time.time() - psutil.Process().create_time()}
+    loading = time.perf_counter()
 
     reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
     rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
@@ -317,30 +363,30 @@ def run(cfg) -> dict[str, Any]:
     samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     optimizer_steps = total_steps * cfg.max_epochs * samples_per_step // cfg.train_batch_size
 
+    parts["data"] = time.perf_counter() - loading
     startup = time.perf_counter()
     init_ray()
     device = cluster_device(cfg.device)
     note_device_limits(cfg, device)
+    parts["ray"] = time.perf_counter() - startup
+    placed = time.perf_counter()
     roles = Roles(cfg, device)
+    parts["placement"] = time.perf_counter() - placed
     try:
-        cfg_dict = cfg.model_dump()
-        setups = roles.actor.run_async("setup", cfg_dict, RLConfig, optimizer_steps)
-        for role in ("critic", "ref", "reward"):
-            group = roles.get(role)
-            if group is not None:
-                args = (optimizer_steps,) if role == "critic" else ()
-                setups += group.run_async("setup", cfg_dict, RLConfig, *args)
-        ray.get(setups)
+        parts.update(roles.start(RLConfig, optimizer_steps))
+        synced = time.perf_counter()
         sync_bytes = roles.open_weight_sync("nccl" if device == "cuda" and cfg.vllm_sync_backend == "nccl"
                                             else "gloo")
+        parts["weight_sync"] = time.perf_counter() - synced
         if cfg.vllm_enable_sleep:
             roles.engines_call("sleep")
         scorer = Scorer(reward_source, roles.get("reward"), tokenizer.pad_token_id)
         print(f"[rl] {device}: roles {cfg.role_ranks()} + {len(roles.engines)} engine(s); weight sync "
               f"{sync_bytes / 2**20:.1f} MiB in {len(roles.buckets)} bucket(s); start-up "
-              f"{time.perf_counter() - startup:.1f}s", flush=True)
+              + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()), flush=True)
+        parts["total"] = time.perf_counter() - startup + parts["imports"] + parts["data"]
         return train(cfg, roles, prompts, eval_prompts, scorer, start_step, total_steps, device == "cuda",
-                     startup_seconds=time.perf_counter() - startup)
+                     startup=parts)
     finally:
         roles.shutdown()
 
@@ -365,7 +411,7 @@ def note_device_limits(cfg, device: str) -> None:
 
 
 def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, start_step: int,
-          total_steps: int, gpu: bool, startup_seconds: float) -> dict[str, Any]:
+          total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
     from stages.engine import fault_injection_requested
 
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
@@ -401,8 +447,11 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         if cfg.vllm_enable_sleep:
             roles.engines_call("sleep")
         experience, record = make_experience(cfg, roles, batch, scorer.pad_token_id, kl_ctl, timer)
-        stats, actor_moved = train_on_experience(cfg, roles, experience, step, gpu, timer)
+        stats, actor_moved = train_on_experience(cfg, roles, experience, step, kl_ctl.value, gpu, timer)
         record.update(stats)
+        record.setdefault("kl", 0.0)  # no reference model: no KL
+        check_finite(record, step, cfg.ckpt_path)
+        kl_ctl.update(record["kl"], len(batch.rollouts))
         if actor_moved:
             with timer.phase("weight_sync"):
                 roles.sync_weights()
@@ -444,7 +493,7 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         if saved and fault_injection_requested("rl") and start_step == 0:
             return {"fault_injected": True, "step": step + 1}
 
-    metrics = final_metrics(cfg, history, start_step, total_steps, started, startup_seconds, eval_initial, best)
+    metrics = final_metrics(cfg, history, start_step, total_steps, started, startup, eval_initial, best)
     if stopped_early:
         metrics["stopped_early"] = stopped_early
     if eval_prompts:
@@ -479,10 +528,12 @@ def throughput(experience: dict[str, torch.Tensor], step_seconds: float) -> dict
 
 
 def final_metrics(cfg, history: list[dict], start_step: int, total_steps: int, started: float,
-                  startup_seconds: float, eval_initial: float | None, best: dict | None) -> dict[str, Any]:
+                  startup: dict[str, float], eval_initial: float | None, best: dict | None) -> dict[str, Any]:
     metrics: dict[str, Any] = {"steps": total_steps, "resumed_from_step": start_step,
                                "train_seconds": round(time.time() - started, 2),
-                               "startup_seconds": round(startup_seconds, 2)}
+                               "startup_seconds": round(startup["total"], 2),
+                               **{f"startup/{part}": round(seconds, 2) for part, seconds in startup.items()
+                                  if part != "total"}}
     if history:
         window = history[-max(1, min(5, len(history))):]
         this_run = history[start_step:]

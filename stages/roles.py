@@ -11,6 +11,7 @@ bundles are fractions of a core sized so that the whole placement fits the clust
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -20,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
-from stages.distributed import ActorGroup, Placement, RankWorker, host_store, node_address
+from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.launch import StageInputError
 from stages.sequences import micro_batches
 from stages.trainer import next_token_log_probs
@@ -119,11 +120,13 @@ class PolicyWorker(TrainedRole):
         self.engine.eval()
         return sequence_log_probs(self.engine, batch, self.cfg.micro_rollout_batch_size, self.cfg.temperature)
 
-    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
+    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float, kl_coef: float) -> dict[str, float]:
         """One optimizer step over this rank's share of the step's samples (micro-batches accumulate).
 
         Losses are token sums divided by `step_tokens`, the action tokens of the whole optimizer step over all
-        ranks: a global token mean however the step is split.
+        ranks: a global token mean however the step is split. Without `old_logp` in the shard (one optimizer step
+        per rollout) the rollout policy is the current one: its log-probs are this forward's, detached, and the
+        KL to the reference is measured here (`kl_sum`, summed over sequences).
         """
         cfg = self.cfg
         self.engine.train()
@@ -136,15 +139,18 @@ class PolicyWorker(TrainedRole):
             logits = self.engine(input_ids=micro["input_ids"],
                                  attention_mask=micro["attention_mask"]).logits[:, :-1] / cfg.temperature
             logp = algo.token_log_probs(logits, micro["input_ids"][:, 1:])
-            loss_t, clipped = algo.policy_loss(logp, micro["old_logp"], micro["advantages"], eps_low, eps_high,
-                                               cfg.dual_clip)
+            old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
+            loss_t, clipped = algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high, cfg.dual_clip)
             policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
             loss = policy_loss
             if cfg.use_kl_loss:
                 kl_loss = algo.aggregate_token_loss(algo.compute_kl(logp, micro["ref_logp"], cfg.kl_estimator),
                                                     mask, step_tokens)
-                loss = loss + cfg.init_kl_coef * kl_loss
+                loss = loss + kl_coef * kl_loss
                 totals["kl_loss"] = totals.get("kl_loss", 0.0) + kl_loss.item()
+            if "old_logp" not in micro and cfg.uses_reference:
+                kl = algo.compute_kl(logp.detach(), micro["ref_logp"], cfg.kl_estimator)
+                totals["kl_sum"] = totals.get("kl_sum", 0.0) + float(algo.masked_sum(kl, mask))
             if cfg.entropy_loss_coef is not None:
                 entropy = algo.aggregate_token_loss(algo.entropy_from_logits(logits), mask, step_tokens)
                 loss = loss - cfg.entropy_loss_coef * entropy
@@ -154,7 +160,7 @@ class PolicyWorker(TrainedRole):
             with torch.no_grad():
                 totals["policy_loss"] += policy_loss.item()
                 totals["clip_fraction"] += float(algo.masked_sum(clipped, mask)) / step_tokens
-                totals["approx_kl"] += float(algo.masked_sum(micro["old_logp"] - logp, mask)) / step_tokens
+                totals["approx_kl"] += float(algo.masked_sum(old_logp - logp, mask)) / step_tokens
         return totals
 
     # ---- weight sync to the rollout engines (stages/weight_sync.py)
@@ -371,16 +377,37 @@ class Roles:
                     engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles)),
                                           **fraction)
                 else:
+                    per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
                     self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role,
-                                                   placement=Placement(group, **fraction))
+                                                   placement=Placement(group, **fraction),
+                                                   threads=cpu_threads(per_node))
         self.engines = create_rollout_engines(
             cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
             tensor_parallel_size=cfg.vllm_tensor_parallel_size,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
             seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.total_len,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching, **engine_options,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            cpu_threads=cpu_threads(cfg.vllm_num_engines), wait=False, **engine_options,
         )
+        # On CPU every model shares the same cores: one model at a time, each with all of them. GPUs run the
+        # models side by side.
+        self.sequential = device == "cpu"
         self.buckets: list = []
+
+    def start(self, config_cls: type, optimizer_steps: int) -> dict[str, float]:
+        """Rendezvous and load every model while the engines load theirs; seconds of each start-up part."""
+        seconds = {}
+        started = time.perf_counter()
+        ray.get([ref for group in self.groups.values() for ref in group.rendezvous()])
+        seconds["processes"] = time.perf_counter() - started
+        cfg_dict = self.cfg.model_dump()
+        pending = []
+        for role, group in self.groups.items():
+            trained = (optimizer_steps,) if role in ("actor", "critic") else ()
+            pending += group.run_async("setup", cfg_dict, config_cls, *trained)
+        ray.get(pending + [engine.__ray_ready__.remote() for engine in self.engines])
+        seconds["models_and_engines"] = time.perf_counter() - started - seconds["processes"]
+        return seconds
 
     @property
     def actor(self) -> ActorGroup:

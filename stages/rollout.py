@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from stages.distributed import cluster_has_gpus
 from stages.model_io import load_causal_lm, load_tokenizer, resolve_model_path
+from stages.tracking import silence_known_noise
 
 Backend = Literal["vllm", "hf", "auto"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,6 +125,7 @@ class VLLMEngine:
                  enable_sleep: bool = False, seed: int = 0, dtype: str = "float32", max_model_len: int | None = None,
                  use_gpu: bool = False, enforce_eager: bool = False, enable_prefix_caching: bool = False):
         _torch_dtype(dtype)
+        silence_known_noise()
         # vLLM reads these when the engine starts, so they are set before it is imported.
         os.environ.update(VLLM_ENV)
         if not use_gpu:
@@ -255,6 +257,7 @@ class HFEngine:
     """transformers `generate` on one device, in chunks of `max_batch_size` sequences."""
 
     def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32", max_batch_size: int = 64):
+        silence_known_noise()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(model_path, padding_side="left")
         self.model = load_causal_lm(model_path, dtype=_torch_dtype(dtype)).to(self.device).eval()
@@ -418,6 +421,8 @@ def create_rollout_engines(
     num_gpus: float | None = None,
     enforce_eager: bool = False,
     enable_prefix_caching: bool = False,
+    cpu_threads: int = 1,
+    wait: bool = True,
 ) -> list[ray.actor.ActorHandle]:
     """Start `num_engines` rollout engine actors and wait until every one has loaded its model.
 
@@ -425,7 +430,8 @@ def create_rollout_engines(
     i) taking `num_cpus`/`num_gpus` of it, so engines can share bundles with training actors. num_gpus defaults
     to 1 when the cluster has GPUs, else 0. With tensor_parallel_size > 1 (GPU, vLLM only) engine i spans
     bundles `bundle_indices[i*tp:(i+1)*tp]`, one vLLM Ray worker each, and a placement group is made if none
-    is given.
+    is given. CPU engines compute with `cpu_threads` threads (Ray would give a fractional-CPU actor one).
+    With `wait=False` the engines load while the caller goes on (wait on `__ray_ready__` before using them).
     """
     backend = resolve_backend(backend)
     _torch_dtype(dtype)
@@ -449,6 +455,8 @@ def create_rollout_engines(
     engines = []
     for i in range(num_engines):
         options: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        if not use_gpu:
+            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(cpu_threads)}}
         own_bundles = bundles[i * tp : (i + 1) * tp] if placement_group is not None else None
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -471,6 +479,6 @@ def create_rollout_engines(
         else:
             actor = ray.remote(HFEngine).options(**options).remote(model_path, seed=seed + i, dtype=dtype)
         engines.append(actor)
-    # Surface load errors here rather than at the first generate.
-    ray.get([engine.__ray_ready__.remote() for engine in engines])
+    if wait:  # surface load errors here rather than at the first generate
+        ray.get([engine.__ray_ready__.remote() for engine in engines])
     return engines

@@ -11,6 +11,7 @@ The orchestration parses that line for its progress artifact, so its prefix is p
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -48,6 +49,36 @@ class PhaseTimer:
         taken = {f"{TIME_PREFIX}{name}": round(seconds, 4) for name, seconds in self._seconds.items()}
         self._seconds = {}
         return taken
+
+
+# Third-party log lines that repeat every step and say nothing about this run, by logger.
+REPEATED_NOISE = {
+    # A weight update reloads every layer; rotary embeddings hold no weights and warn each time.
+    "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
+    # Something in the engine asks for its thread count again; vLLM's CPU worker refuses it each time.
+    "vllm.v1.worker.cpu_worker": "doesn't allow to use `torch.set_num_threads`",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def silence_known_noise() -> None:
+    """Keep job logs readable: vLLM at WARNING (its INFO lines repeat with every weight update), no loading
+    progress bars, and the known per-step warnings above dropped where they are emitted."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    for name, text in REPEATED_NOISE.items():
+        logging.getLogger(name).addFilter(_DropMessage(text))
 
 
 def phase_seconds(records: list[dict[str, Any]]) -> dict[str, float]:

@@ -31,6 +31,11 @@ def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.T
     return algo.token_log_probs(logits / temperature, input_ids[:, 1:])
 
 
+def example_tokens(example: dict) -> int:
+    """Tokens one training example feeds the model (every token-id sequence it holds)."""
+    return sum(len(value) for key, value in example.items() if key.endswith("ids"))
+
+
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -111,7 +116,8 @@ class StepTrainer(RankWorker):
                     self.engine.step()
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
-            record = {"step": step + 1, **self.all_reduce_sum(totals), "lr": self.engine.get_lr()[0]}
+            record = {"step": step + 1, **self.all_reduce_sum(totals), "lr": self.engine.get_lr()[0],
+                      "tokens": sum(example_tokens(example) for example in batch)}
             if cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0 and self.eval_examples:
                 with timer.phase("evaluation"):
                     record.update({f"eval_{k}": v for k, v in self.evaluate().items()})
@@ -138,7 +144,10 @@ class StepTrainer(RankWorker):
         if history:
             metrics["train_loss_first"] = history[0]["loss"]
             metrics["train_loss_last"] = history[-1]["loss"]
-            metrics.update(phase_seconds(history[start_step:]))
+            this_run = history[start_step:]
+            metrics.update(phase_seconds(this_run))
+            if this_run:
+                metrics["tokens_per_s"] = sum(r["tokens"] for r in this_run) / max(metrics["seconds/step"], 1e-9)
         if self.eval_examples:
             metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
         ds.export_hf(self.engine, self.tokenizer, cfg.save_path, self.export_extra_config())

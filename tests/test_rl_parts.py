@@ -92,3 +92,14 @@ def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
     fixture = (tmp_path / "prompts.jsonl").read_text()
     assert '"context_messages": [{"role": "user", "content": "1 + 1 = ?"}]' in fixture
     RLConfig.model_validate(values)  # the rehearsal is a valid config
+
+
+def test_a_non_finite_loss_stops_the_stage_naming_the_step_and_the_checkpoint_kept(tmp_path):
+    from stages.engine import commit_checkpoint
+    from stages.launch import StageInputError
+    from stages.rl import check_finite
+
+    check_finite({"policy_loss": 0.1, "kl": 0.0}, step=4, ckpt_path=str(tmp_path))
+    commit_checkpoint(tmp_path, 5, max_keep=2)
+    with pytest.raises(StageInputError, match=r"step 7: policy_loss=nan is not finite.*step 5, is kept"):
+        check_finite({"policy_loss": float("nan"), "critic_loss": 0.2}, step=6, ckpt_path=str(tmp_path))
