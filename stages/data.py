@@ -802,13 +802,6 @@ def pad_sequences(seqs: list[list[int]], pad_token_id: int, side: str = "right")
     return pad_batch(seqs, pad_token_id, side), pad_batch([[1] * len(seq) for seq in seqs], 0, side)
 
 
-def preference_batch(examples: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chosen sequences first, then rejected ones, right-padded: (input_ids, attention_mask, loss_mask)."""
-    sequences = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    loss_masks = [e["chosen_loss_mask"] for e in examples] + [e["rejected_loss_mask"] for e in examples]
-    return (*pad_sequences(sequences, pad_token_id), pad_batch(loss_masks, 0))
-
-
 def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.Tensor:
     """[B, longest] long tensor of `seqs` padded with `pad_value` on the right or left."""
     if side not in ("left", "right"):
