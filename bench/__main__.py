@@ -104,7 +104,7 @@ def supervised(assets: dict, model: str, work: Path, steps: int) -> dict:
         out = work / f"{name}-speed"
         _, metrics = stage(name, "--pretrain", model, "--dataset", assets[dataset], "--max_epochs", 1,
                            "--max_samples", 32 * steps, "--save_path", out / "model", "--ckpt_path", out / "ckpt")
-        results[name] = {"tokens_per_s": metrics["tokens_per_s"], "step_seconds": metrics["seconds/step"] / steps}
+        results[name] = {"tokens_per_s": metrics["tokens_per_second"], "step_seconds": metrics["seconds/step"] / steps}
     return results
 
 

@@ -160,7 +160,11 @@ class TrainingConfig(StageConfig):
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     adam_offload: bool = Field(False, description="keep Adam optimizer states in CPU memory (needs ZeRO >= 1)")
-    packing_samples: bool = Field(False, description="pack several samples into one sequence without padding")
+    packing_samples: bool = Field(
+        False,
+        description="pack the samples of a micro-batch into one row without padding (position ids restart per "
+        "sample, attention stays within each sample)",
+    )
     lr_warmup_ratio: float = Field(
         0.03, ge=0, le=1, description="fraction of the optimizer steps spent in linear warmup",
     )
@@ -176,6 +180,18 @@ class TrainingConfig(StageConfig):
         None, description="held-out dataset: hub name, local json/jsonl/parquet or s3:// URI",
     )
     eval_split: str = _eval_split("test")
+    lora_rank: int = Field(
+        0, ge=0, description="train LoRA adapters (PEFT) of this rank instead of all weights; 0 = full fine-tuning",
+    )
+    lora_alpha: int = Field(
+        16, ge=1, description="LoRA scaling: adapter updates are multiplied by lora_alpha / lora_rank",
+    )
+    target_modules: list[str] = Field(
+        ["all-linear"],
+        description="modules that get LoRA adapters: names such as q_proj v_proj, or all-linear (every linear layer "
+        "but the output head)",
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the input of the LoRA adapters")
 
     def train_world_sizes(self) -> dict[str, int]:
         """Data-parallel ranks of each trained model, keyed by the flags that set them."""
@@ -190,6 +206,13 @@ class TrainingConfig(StageConfig):
             problems.append("--adam_offload needs --zero_stage 1, 2 or 3 (DeepSpeed offloads ZeRO optimizer states)")
         if not all(0 <= beta < 1 for beta in self.adam_betas):
             problems.append(f"--adam_betas {self.adam_betas[0]} {self.adam_betas[1]}: each must be in [0, 1)")
+        if self.lora_rank == 0:
+            unused = [f"--{name}" for name in ("lora_alpha", "target_modules", "lora_dropout")
+                      if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
+            if unused:
+                problems.append(f"{', '.join(unused)}: configures LoRA adapters, which are off; set --lora_rank > 0")
+        elif not self.target_modules:
+            problems.append("--target_modules is empty: name the modules that get LoRA adapters, or all-linear")
         for ranks_flags, ranks in self.train_world_sizes().items():
             per_step = self.micro_train_batch_size * ranks
             if self.train_batch_size % per_step:
@@ -311,6 +334,32 @@ class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
     ckpt_path: str = _ckpt_path("./ckpt/checkpoints_sft")
     learning_rate: float = _learning_rate(5e-6)
     max_epochs: int = _max_epochs(2)
+    system_key: str | None = Field(
+        None,
+        description="dataset column holding a system prompt (OpenOrca's system_prompt), rendered as a system message "
+        "before the prompt; empty values add none",
+    )
+    multiturn: bool = Field(
+        False,
+        description="--input_key holds whole conversations (lists of messages): loss on every assistant turn",
+    )
+    pretrain_mode: bool = Field(
+        False, description="continued pre-training: loss on every token of the --input_key text, no response column",
+    )
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if self.multiturn and self.pretrain_mode:
+            problems.append("--multiturn and --pretrain_mode exclude each other: pick one loss mask")
+        if self.multiturn and not self.apply_chat_template:
+            problems.append("--multiturn needs --apply_chat_template (conversations are rendered by the chat template)")
+        if self.system_key is not None:
+            if self.multiturn or self.pretrain_mode:
+                problems.append("--system_key applies to prompt/response rows: a conversation holds its own system "
+                                "message, and --pretrain_mode has no prompt")
+            elif not self.apply_chat_template:
+                problems.append("--system_key needs --apply_chat_template (a system prompt is a chat message)")
+        return problems
 
 
 class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
@@ -325,6 +374,12 @@ class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
         "sigmoid", description="pairwise loss: sigmoid (-log σ(r_c - r_r)) or logexp (log(1 + exp(r_r - r_c)))",
     )
     margin_loss: bool = Field(False, description="subtract the dataset's margin column inside the pairwise loss")
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if self.margin_loss and self.loss != "sigmoid":
+            problems.append(f"--margin_loss needs --loss sigmoid (the {self.loss} loss has no margin term)")
+        return problems
 
 
 class DPOConfig(PreferenceKeys, OfflineTrainingConfig):
@@ -349,8 +404,12 @@ class DPOConfig(PreferenceKeys, OfflineTrainingConfig):
         return problems
 
 
-class KTOConfig(SupervisedKeys, OfflineTrainingConfig):
-    """Kahneman-Tversky optimisation on unpaired desirable/undesirable responses: `python -m stages.kto`."""
+class KTOConfig(SupervisedKeys, PreferenceKeys, OfflineTrainingConfig):
+    """Kahneman-Tversky optimisation on unpaired desirable/undesirable responses: `python -m stages.kto`.
+
+    Rows are unpaired (--input_key, --output_key, --label_key) or, when the dataset has --chosen_key and
+    --rejected_key columns, preference pairs that are split into one desirable and one undesirable row each.
+    """
 
     pretrain: str | None = Field(None, description="policy to train, usually the SFT model")
     ref_pretrain: str | None = Field(None, description="frozen reference model; unset: a copy of --pretrain")
@@ -360,6 +419,15 @@ class KTOConfig(SupervisedKeys, OfflineTrainingConfig):
     beta: float = Field(0.01, gt=0, description="strength of the implicit KL constraint to the reference")
     desirable_loss_weight: float = Field(1.0, gt=0, description="loss weight of desirable samples")
     undesirable_loss_weight: float = Field(1.0, gt=0, description="loss weight of undesirable samples")
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if self.micro_train_batch_size < 2:
+            problems.append(
+                "--micro_train_batch_size 1: KTO's KL reference point scores each prompt with another sample's "
+                "response from the same micro-batch, so it needs at least 2"
+            )
+        return problems
 
 
 class RLConfig(TrainingConfig, PromptConfig):
@@ -841,7 +909,8 @@ def _add_field_flag(
                 help=f"turn off --{name} (when a preset turns it on)",
             )
         return
-    shown = "unset" if default is None else " ".join(map(str, default)) if isinstance(default, tuple) else default
+    shown = ("unset" if default is None else " ".join(map(str, default)) if isinstance(default, (tuple, list))
+             else default)
     convert: Any = kind
     if optional and nargs is None and choices is None:
         convert = _or_none(kind)
@@ -862,7 +931,7 @@ def _or_none(kind: type) -> Any:
     return convert
 
 
-def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | None, bool]:
+def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | str | None, bool]:
     """(value type, choices, nargs, optional) of a field's flag."""
     optional = False
     if get_origin(annotation) in (Union, types.UnionType):
@@ -876,6 +945,8 @@ def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | No
     if get_origin(annotation) is tuple:
         items = get_args(annotation)
         return items[0], None, len(items), optional
+    if get_origin(annotation) is list:
+        return get_args(annotation)[0], None, "+", optional
     if annotation in (bool, int, float, str):
         return annotation, None, None, optional
     raise TypeError(f"field {name}: no command-line form for {annotation!r}")

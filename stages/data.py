@@ -1,8 +1,20 @@
 """Datasets for every stage: loading, pandera validation, prompt formatting and tokenised examples.
 
 Loading goes through `datasets` (hub names, local .json/.jsonl/.parquet files or directories, file://, s3://).
-Validation runs before any training and reports every bad row at once. Example builders turn rows into token ids
-with a loss mask that covers only the response tokens and the final eos.
+Validation runs before any training and reports every failure at once, naming file, flag, check and rows (or the
+whole column); it never ends in a traceback, whatever the data (bytes that are not UTF-8 included).
+
+Formats (column names come from the stages' --*_key flags), as OpenRLHF reads them:
+- SFT: prompt + response (text, or chat messages with --apply_chat_template), optionally a system prompt column
+  (OpenOrca's system_prompt); whole conversations with --multiturn; raw text with --pretrain_mode;
+- preferences (reward model, DPO, KTO): prompt + chosen + rejected, or no prompt column and chosen/rejected as
+  whole conversations (the prompt is their shared prefix, the response the final assistant turn);
+- prompts (RL, evaluation): text or chat messages (prompt-collection's context_messages), optional labels;
+- KTO: unpaired prompt + completion + bool label (TRL's layout).
+
+Example builders turn rows into token ids with a loss mask over the trained tokens: responses and their eos,
+every assistant turn of a conversation, or everything in pretrain mode. Chat-templated text is split at turn
+boundaries of the rendered conversation, so the template's own end-of-turn tokens are trained with each reply.
 """
 
 from __future__ import annotations
@@ -11,7 +23,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +133,16 @@ def _directory_files(path: str, download_config: DownloadConfig) -> tuple[str, d
 # ------------------------------------------------------------------------------------------------- validation
 
 
+class _Undecodable:
+    """Stand-in for a value whose bytes are not valid UTF-8, so that validation can name its row."""
+
+    def __repr__(self) -> str:
+        return "<not UTF-8>"
+
+
+UNDECODABLE = _Undecodable()
+
+
 def _as_messages(value: Any) -> list[dict] | None:
     """A chat-format value ([{"role", "content"}, ...], as a list or an arrow-decoded array) or None."""
     if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
@@ -129,6 +151,11 @@ def _as_messages(value: Any) -> list[dict] | None:
                for m in value):
         return None
     return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _decodable(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    # An undecodable value is reported once, by the valid_utf8 check, not again by every other check.
+    return lambda value: value is UNDECODABLE or check(value)
 
 
 def _is_text(value: Any) -> bool:
@@ -143,8 +170,38 @@ def _is_not_blank(value: Any) -> bool:
     return messages is None or all(m["content"].strip() for m in messages)
 
 
+def _is_conversation(value: Any) -> bool:
+    return _as_messages(value) is not None
+
+
+def _has_assistant_turn(value: Any) -> bool:
+    messages = _as_messages(value)
+    return messages is None or any(m["role"] == "assistant" for m in messages)
+
+
+def _ends_with_assistant_turn(value: Any) -> bool:
+    messages = _as_messages(value)
+    return messages is None or messages[-1]["role"] == "assistant"
+
+
+def _is_plain_text(value: Any) -> bool:
+    return _as_messages(value) is None
+
+
 def _is_label(value: Any) -> bool:
     return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
+def _is_bool_label(value: Any) -> bool:
+    return isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+
+
+def _is_optional_text(value: Any) -> bool:
+    return value is None or isinstance(value, str)
 
 
 def _comparable(value: Any) -> str:
@@ -152,77 +209,168 @@ def _comparable(value: Any) -> str:
     return json.dumps(messages) if messages is not None else str(value).strip()
 
 
+def _conversation_prompt(value: Any) -> str:
+    """The messages before the final turn of a conversation, as comparable text ("" for plain text)."""
+    messages = _as_messages(value)
+    return json.dumps(messages[:-1]) if messages is not None else ""
+
+
 _CHECK_MEANINGS = {
     "column_in_dataframe": "column is missing",
     "not_nullable": "null value",
+    "valid_utf8": "text is not valid UTF-8",
     "text_or_messages": "not text: expected a string or a list of {role, content} messages",
     "not_blank": "empty or whitespace-only text",
+    "conversation": "not a conversation: expected a list of {role, content} messages",
+    "has_assistant_turn": "no assistant message to train on",
+    "ends_with_assistant_turn": "the conversation does not end with the assistant's response",
+    "plain_text": "chat messages need --apply_chat_template",
     "label_is_scalar": "label must be a string or a number",
+    "label_is_bool": "label must be true/false (or 1/0): is the response desirable",
+    "margin_is_number": "margin must be a finite number",
+    "text_or_null": "system prompt must be text or null",
     "chosen_differs_from_rejected": "chosen response equals rejected response",
+    "same_prompt_in_chosen_and_rejected": "chosen and rejected conversations differ before their final turn",
 }
-_ROW_CHECKS = {"chosen_differs_from_rejected"}  # dataframe-wide checks: reported once, not per column
+# Checks over whole rows (several columns): reported once under their own name, not per column.
+_TABLE_CHECKS = {"chosen_differs_from_rejected", "same_prompt_in_chosen_and_rejected"}
 
 
-def _text_column() -> pa.Column:
+def _column(*checks: tuple[Callable[[Any], bool], str], nullable: bool = False) -> pa.Column:
+    """A column whose values must be valid UTF-8 and pass each element-wise (check, name)."""
     return pa.Column(
-        nullable=False,
-        checks=[
-            pa.Check(_is_text, element_wise=True, name="text_or_messages"),
-            pa.Check(_is_not_blank, element_wise=True, name="not_blank"),
-        ],
+        nullable=nullable,
+        checks=[pa.Check(lambda value: value is not UNDECODABLE, element_wise=True, name="valid_utf8")]
+        + [pa.Check(_decodable(check), element_wise=True, name=name) for check, name in checks],
     )
 
 
-def sft_schema(input_key: str, output_key: str) -> pa.DataFrameSchema:
-    return pa.DataFrameSchema({input_key: _text_column(), output_key: _text_column()}, name="sft")
+def _text_column(apply_chat_template: bool | None = None) -> pa.Column:
+    """Text or chat messages; with apply_chat_template=False chat messages are refused (None: not checked)."""
+    checks = [(_is_text, "text_or_messages"), (_is_not_blank, "not_blank")]
+    if apply_chat_template is False:
+        checks.append((_is_plain_text, "plain_text"))
+    return _column(*checks)
 
 
-def preference_schema(prompt_key: str, chosen_key: str, rejected_key: str) -> pa.DataFrameSchema:
+def _conversation_column(*extra: tuple[Callable[[Any], bool], str]) -> pa.Column:
+    return _column((_is_conversation, "conversation"), (_is_not_blank, "not_blank"), *extra)
+
+
+def sft_schema(input_key: str, output_key: str, *, multiturn: bool = False, pretrain_mode: bool = False,
+               system_key: str | None = None, apply_chat_template: bool | None = None) -> pa.DataFrameSchema:
+    """Prompt + response columns; one conversation column with multiturn; one text column in pretrain mode."""
+    if multiturn:
+        columns = {input_key: _conversation_column((_has_assistant_turn, "has_assistant_turn"))}
+    elif pretrain_mode:
+        columns = {input_key: _text_column(apply_chat_template)}
+    else:
+        columns = {input_key: _text_column(apply_chat_template), output_key: _text_column(apply_chat_template)}
+    if system_key is not None:
+        columns[system_key] = _column((_is_optional_text, "text_or_null"), nullable=True)
+    return pa.DataFrameSchema(columns, name="sft")
+
+
+def preference_schema(prompt_key: str | None, chosen_key: str, rejected_key: str, *,
+                      margin_key: str | None = None, apply_chat_template: bool | None = None) -> pa.DataFrameSchema:
+    """Prompt + chosen + rejected; without a prompt column chosen and rejected are whole texts or conversations
+    that share every message but the final assistant turn."""
+
+    def present(df: pd.DataFrame) -> bool:
+        return chosen_key in df and rejected_key in df  # missing columns are reported as such instead
+
     def chosen_differs(df: pd.DataFrame) -> pd.Series:
-        if chosen_key not in df or rejected_key not in df:  # reported as missing columns instead
+        if not present(df):
             return pd.Series(True, index=df.index)
         return df[chosen_key].map(_comparable) != df[rejected_key].map(_comparable)
 
-    return pa.DataFrameSchema(
-        {prompt_key: _text_column(), chosen_key: _text_column(), rejected_key: _text_column()},
-        checks=[pa.Check(chosen_differs, name="chosen_differs_from_rejected")],
-        name="preference",
-    )
+    def same_prompt(df: pd.DataFrame) -> pd.Series:
+        if not present(df):
+            return pd.Series(True, index=df.index)
+        return df[chosen_key].map(_conversation_prompt) == df[rejected_key].map(_conversation_prompt)
+
+    response = _text_column(apply_chat_template)
+    checks = [pa.Check(chosen_differs, name="chosen_differs_from_rejected")]
+    columns = {}
+    if prompt_key is None:
+        extra = [(_ends_with_assistant_turn, "ends_with_assistant_turn")]
+        if apply_chat_template is False:
+            extra.append((_is_plain_text, "plain_text"))
+        response = _column((_is_text, "text_or_messages"), (_is_not_blank, "not_blank"), *extra)
+        checks.append(pa.Check(same_prompt, name="same_prompt_in_chosen_and_rejected"))
+    else:
+        columns[prompt_key] = _text_column(apply_chat_template)
+    columns |= {chosen_key: response, rejected_key: response}
+    if margin_key is not None:
+        columns[margin_key] = _column((_is_finite_number, "margin_is_number"))
+    return pa.DataFrameSchema(columns, checks=checks, name="preference")
 
 
-def prompt_schema(input_key: str, label_key: str | None = None) -> pa.DataFrameSchema:
-    columns = {input_key: _text_column()}
+def prompt_schema(input_key: str, label_key: str | None = None, *,
+                  apply_chat_template: bool | None = None) -> pa.DataFrameSchema:
+    columns = {input_key: _text_column(apply_chat_template)}
     if label_key is not None:
-        columns[label_key] = pa.Column(
-            nullable=False,
-            checks=[
-                pa.Check(_is_label, element_wise=True, name="label_is_scalar"),
-                pa.Check(_is_not_blank, element_wise=True, name="not_blank"),
-            ],
-        )
+        columns[label_key] = _column((_is_label, "label_is_scalar"), (_is_not_blank, "not_blank"))
     return pa.DataFrameSchema(columns, name="prompts")
 
 
-def validate_sft(ds: datasets.Dataset, source: str, input_key: str, output_key: str) -> None:
+def kto_schema(input_key: str, output_key: str, label_key: str, *,
+               apply_chat_template: bool | None = None) -> pa.DataFrameSchema:
+    return pa.DataFrameSchema(
+        {input_key: _text_column(apply_chat_template), output_key: _text_column(apply_chat_template),
+         label_key: _column((_is_bool_label, "label_is_bool"))},
+        name="kto",
+    )
+
+
+def validate_sft(ds: datasets.Dataset, source: str, input_key: str, output_key: str, *, multiturn: bool = False,
+                 pretrain_mode: bool = False, system_key: str | None = None,
+                 apply_chat_template: bool | None = None) -> None:
     """Raise one DataValidationError listing every failed check and row of SFT data."""
-    _validate("SFT", sft_schema(input_key, output_key), ds, source,
-              {input_key: "--input_key", output_key: "--output_key"})
+    flags = {input_key: "--input_key"}
+    if not (multiturn or pretrain_mode):
+        flags[output_key] = "--output_key"
+    if system_key is not None:
+        flags[system_key] = "--system_key"
+    schema = sft_schema(input_key, output_key, multiturn=multiturn, pretrain_mode=pretrain_mode,
+                        system_key=system_key, apply_chat_template=apply_chat_template)
+    _validate("SFT", schema, ds, source, flags)
 
 
-def validate_preference(
-    ds: datasets.Dataset, source: str, prompt_key: str, chosen_key: str, rejected_key: str
-) -> None:
+def validate_preference(ds: datasets.Dataset, source: str, prompt_key: str | None, chosen_key: str,
+                        rejected_key: str, *, margin_key: str | None = None,
+                        apply_chat_template: bool | None = None) -> None:
     """Raise one DataValidationError listing every failed check and row of preference data."""
-    _validate("preference", preference_schema(prompt_key, chosen_key, rejected_key), ds, source,
-              {prompt_key: "--prompt_key", chosen_key: "--chosen_key", rejected_key: "--rejected_key"})
+    flags = {chosen_key: "--chosen_key", rejected_key: "--rejected_key"}
+    if prompt_key is not None:
+        flags = {prompt_key: "--prompt_key", **flags}
+    if margin_key is not None:
+        flags[margin_key] = "--margin_loss"
+    schema = preference_schema(prompt_key, chosen_key, rejected_key, margin_key=margin_key,
+                               apply_chat_template=apply_chat_template)
+    _validate("preference", schema, ds, source, flags)
 
 
-def validate_prompts(ds: datasets.Dataset, source: str, input_key: str, label_key: str | None = None) -> None:
-    """Raise one DataValidationError listing every failed check and row of RL prompt data."""
+def validate_prompts(ds: datasets.Dataset, source: str, input_key: str, label_key: str | None = None, *,
+                     apply_chat_template: bool | None = None) -> None:
+    """Raise one DataValidationError listing every failed check and row of RL prompt data.
+
+    Prompts are text or chat messages (e.g. OpenRLHF/prompt-collection-v0.1's context_messages); with
+    apply_chat_template=False chat messages are refused, since only a chat template can render them.
+    """
     flags = {input_key: "--input_key"}
     if label_key is not None:
         flags[label_key] = "--label_key"
-    _validate("prompt", prompt_schema(input_key, label_key), ds, source, flags)
+    _validate("prompt", prompt_schema(input_key, label_key, apply_chat_template=apply_chat_template), ds, source,
+              flags)
+
+
+def validate_kto(ds: datasets.Dataset, source: str, input_key: str, output_key: str, label_key: str, *,
+                 apply_chat_template: bool | None = None) -> None:
+    """Raise one DataValidationError listing every failed check and row of unpaired KTO data."""
+    flags = {input_key: "--input_key", output_key: "--output_key", label_key: "--label_key"}
+    _validate("KTO", kto_schema(input_key, output_key, label_key, apply_chat_template=apply_chat_template), ds,
+              source, flags)
 
 
 def _validate(
@@ -230,30 +378,59 @@ def _validate(
 ) -> None:
     if len(ds) == 0:
         raise DataValidationError(f"{kind} data in {source} has no rows")
-    present = [column for column in schema.columns if column in ds.column_names]
-    frame = ds.select_columns(present).to_pandas() if present else pd.DataFrame(index=range(len(ds)))
     try:
+        frame = _python_frame(ds, [column for column in schema.columns if column in ds.column_names])
         schema.validate(frame, lazy=True)
     except SchemaErrors as errors:
         raise DataValidationError(
             _failure_report(kind, source, len(ds), errors.failure_cases, flags, ds.column_names)
         ) from None
+    except Exception as error:  # validation must end in a report, never in a traceback that looks retryable
+        raise DataValidationError(
+            f"{kind} data in {source} could not be validated: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _python_frame(ds: datasets.Dataset, columns: list[str]) -> pd.DataFrame:
+    """The columns as Python objects (str, list of dicts, bool, ...); undecodable values become UNDECODABLE."""
+    if not columns:
+        return pd.DataFrame(index=range(len(ds)))
+    return pd.DataFrame({name: pd.Series(_column_values(ds.select_columns([name]), name), dtype=object)
+                         for name in columns})
+
+
+def _column_values(column: datasets.Dataset, name: str) -> list[Any]:
+    try:
+        return column[:][name]
+    except UnicodeDecodeError:
+        # The JSON reader keeps invalid UTF-8 bytes in string columns; only decoding a value fails.
+        values = []
+        for index in range(len(column)):
+            try:
+                values.append(column[index][name])
+            except UnicodeDecodeError:
+                values.append(UNDECODABLE)
+        return values
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and np.isnan(value))
 
 
 def _failure_report(
     kind: str, source: str, num_rows: int, cases: pd.DataFrame, flags: dict[str, str], columns: Sequence[str]
 ) -> str:
-    # Group pandera's one-row-per-failure table into one line per (column, check).
+    # Group pandera's one-row-per-failure table into one line per (column, check). Failures without a row index
+    # are about a whole column (a column-level check, or a check that could not run).
     grouped: dict[tuple[str | None, str], list[tuple[Any, Any]]] = {}
     for case in cases.to_dict("records"):
         check = str(case["check"])
+        column = None if _is_missing(case["column"]) else str(case["column"])
         if check == "column_in_dataframe":
-            key = (str(case["failure_case"]), check)
-        elif check in _ROW_CHECKS:
-            key = (None, check)
-        else:
-            key = (case["column"], check)
-        grouped.setdefault(key, []).append((case["index"], case["failure_case"]))
+            column = str(case["failure_case"])
+        elif check in _TABLE_CHECKS:
+            column = None
+        grouped.setdefault((column, check), []).append((case["index"], case["failure_case"]))
 
     def order(key: tuple[str | None, str]) -> tuple[int, int, str]:
         column, check = key
@@ -262,19 +439,26 @@ def _failure_report(
 
     lines = []
     for column, check in sorted(grouped, key=order):
-        where = f"column {column!r} ({flags[column]}): " if column in flags else ""
+        where = f"column {column!r} ({flags[column]}): " if column in flags else (
+            f"column {column!r}: " if column is not None else "")
         meaning = _CHECK_MEANINGS.get(check, check)
         if check == "column_in_dataframe":
             lines.append(f"  - {where}{meaning}; columns present: {', '.join(columns) or 'none'}")
             continue
         failures = grouped[(column, check)]
-        rows = sorted({int(index) for index, _ in failures})
-        listed = ", ".join(map(str, rows[:_MAX_LISTED_ROWS]))
-        more = f" and {len(rows) - _MAX_LISTED_ROWS} more" if len(rows) > _MAX_LISTED_ROWS else ""
-        line = f"  - {where}check {check} failed ({meaning}) at rows [{listed}]{more}"
-        if check == "text_or_messages":
-            examples = ", ".join(_short_repr(value) for _, value in failures[:3])
-            line += f"; values: {examples}"
+        rows = sorted({int(index) for index, _ in failures if not _is_missing(index)})
+        if rows:
+            listed = ", ".join(map(str, rows[:_MAX_LISTED_ROWS]))
+            more = f" and {len(rows) - _MAX_LISTED_ROWS} more" if len(rows) > _MAX_LISTED_ROWS else ""
+            line = f"  - {where}check {check} failed ({meaning}) at rows [{listed}]{more}"
+            if check == "text_or_messages":
+                examples = ", ".join(_short_repr(value) for index, value in failures[:3] if not _is_missing(index))
+                line += f"; values: {examples}"
+        else:
+            # pandera gives the reason (or the error of a check that could not run) as the failure case.
+            reason = _shorten(str(failures[0][1]), 200)
+            whole = "the whole column" if column is not None else "the whole table"
+            line = f"  - {where}check {check} failed ({meaning}) on {whole}: {reason}"
         lines.append(line)
     header = (
         f"{kind} data in {source} ({num_rows} rows) failed {len(lines)} validation check(s); "
@@ -284,11 +468,33 @@ def _failure_report(
 
 
 def _short_repr(value: Any, limit: int = 40) -> str:
-    text = repr(value)
+    return _shorten(repr(value), limit)
+
+
+def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# -------------------------------------------------------------------------------------------------- examples
+# -------------------------------------------------------------------------------------------------- rendering
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    if not tokenizer.chat_template:
+        raise DataValidationError(
+            f"--apply_chat_template is set but tokenizer {tokenizer.name_or_path!r} has no chat template"
+        )
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _messages(value: Any, role: str, what: str) -> list[dict]:
+    """A chat value as messages: text becomes one message of `role`."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    messages = _as_messages(value)
+    if messages is None:
+        raise DataValidationError(f"{what} is neither text nor a list of {{role, content}} messages: "
+                                  f"{_short_repr(value)}")
+    return messages
 
 
 def format_prompt(
@@ -299,61 +505,105 @@ def format_prompt(
 ) -> str:
     """Prompt text the model sees.
 
-    With `apply_chat_template`, a string becomes one user message and chat lists are used as given, rendered
-    with the tokenizer's template and the generation prompt. Otherwise a string is used as is, or through
-    `input_template` (e.g. "User: {}\\nAssistant: ").
+    With `apply_chat_template`, a string becomes one user message and chat lists (system turns included) are used
+    as given, rendered with the tokenizer's template and the generation prompt. Otherwise a string is used as is,
+    or through `input_template` (e.g. "User: {}\\nAssistant: ").
     """
     if apply_chat_template:
-        if not tokenizer.chat_template:
-            raise ValueError(
-                f"--apply_chat_template is set but tokenizer {tokenizer.name_or_path!r} has no chat template"
-            )
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _as_messages(prompt)
-        if messages is None:
-            raise ValueError(f"prompt is neither text nor a list of {{role, content}} messages: {_short_repr(prompt)}")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return _render(tokenizer, _messages(prompt, "user", "prompt"), add_generation_prompt=True)
     if not isinstance(prompt, str):
-        raise ValueError("a chat-format prompt (list of messages) needs --apply_chat_template")
+        raise DataValidationError("a chat-format prompt (list of messages) needs --apply_chat_template")
     return input_template.format(prompt) if input_template else prompt
 
 
-def _response_text(value: str | list[dict]) -> str:
-    """A response is text, or chat messages whose last one is the response."""
-    if isinstance(value, str):
-        return value
-    messages = _as_messages(value)
-    if messages is None:
-        raise ValueError(f"response is neither text nor a list of {{role, content}} messages: {_short_repr(value)}")
-    return messages[-1]["content"]
+def _prompt_messages(prompt: Any, system: str | None) -> list[dict]:
+    messages = _messages(prompt, "user", "prompt")
+    return ([{"role": "system", "content": system}] if system else []) + messages
 
 
-def _encode_prompts(
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list,
-    apply_chat_template: bool,
-    input_template: str | None,
-) -> tuple[list[str], list[list[int]]]:
-    texts = [format_prompt(tokenizer, p, apply_chat_template, input_template) for p in prompts]
-    # A rendered chat template already holds its special tokens (bos); plain text gets the tokenizer's own.
-    ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
-    return texts, ids
-
-
-def _encode_responses(tokenizer: PreTrainedTokenizerBase, responses: list) -> list[list[int]]:
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end responses with")
-    texts = [_response_text(r) for r in responses]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return [response + [tokenizer.eos_token_id] for response in ids]
-
-
-def _prompt_and_response(prompt_ids: list[int], response_ids: list[int], max_len: int) -> tuple[list[int], list[int]]:
-    """Sequence cut to max_len (the prompt is kept whole) and its loss mask: 1 on response tokens and eos.
-
-    loss_mask[i] == 1 means input_ids[i] is a target the model should predict from the tokens before it.
+def _conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                           train_from: int = 0) -> list[tuple[str, bool]]:
+    """The rendered conversation as consecutive (text, trained) pieces: every assistant message at index >=
+    `train_from` (its content and end-of-turn markup) is trained, everything else (other turns, the template's
+    headers and generation prompts) is context. Needs a template that renders a conversation's prefix as a
+    prefix of the whole, as chat templates do.
     """
-    response_ids = response_ids[: max_len - len(prompt_ids)]
-    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+    full = _render(tokenizer, messages)
+    pieces, cursor = [], 0
+    for index in range(train_from, len(messages)):
+        if messages[index]["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:index], add_generation_prompt=True) if index else ""
+        through = _render(tokenizer, messages[: index + 1])
+        if not (through.startswith(before) and full.startswith(through) and len(before) >= cursor):
+            raise DataValidationError(
+                f"the chat template of {tokenizer.name_or_path!r} renders turn {index} of a conversation "
+                "differently depending on the turns after it, so the assistant tokens cannot be located; "
+                "use a template that renders conversations incrementally"
+            )
+        pieces += [(full[cursor : len(before)], False), (full[len(before) : len(through)], True)]
+        cursor = len(through)
+    pieces.append((full[cursor:], False))
+    return [(text, trained) for text, trained in pieces if text]
+
+
+# -------------------------------------------------------------------------------------------------- examples
+
+
+def _encode_pieces(tokenizer: PreTrainedTokenizerBase, rows: list[list[tuple[str, bool]]], *,
+                   special_tokens: bool, add_eos: bool = True) -> list[tuple[list[int], list[int]]]:
+    """Token ids and loss mask (1 = a target to predict) of each row's (text, trained) pieces.
+
+    The first piece gets the tokenizer's special tokens (bos) when `special_tokens` (plain text; a rendered
+    chat template already holds them). With `add_eos`, a row not ending in eos gets one, trained like the
+    piece before it: the model learns to stop.
+    """
+    if add_eos and tokenizer.eos_token_id is None:
+        raise DataValidationError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end responses with")
+    firsts = [pieces[0][0] for pieces in rows if pieces]
+    rests = [text for pieces in rows for text, _ in pieces[1:]]
+    first_ids = iter(tokenizer(firsts, add_special_tokens=special_tokens)["input_ids"] if firsts else [])
+    rest_ids = iter(tokenizer(rests, add_special_tokens=False)["input_ids"] if rests else [])
+    encoded = []
+    for pieces in rows:
+        ids, mask = [], []
+        for position, (_, trained) in enumerate(pieces):
+            piece_ids = next(first_ids) if position == 0 else next(rest_ids)
+            ids += piece_ids
+            mask += [int(trained)] * len(piece_ids)
+        if add_eos and (not ids or ids[-1] != tokenizer.eos_token_id):
+            mask.append(mask[-1] if mask else 1)
+            ids.append(tokenizer.eos_token_id)
+        encoded.append((ids, mask))
+    return encoded
+
+
+def _prompt_response_pieces(
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, response: Any, *, apply_chat_template: bool,
+    input_template: str | None, system: str | None = None,
+) -> list[tuple[str, bool]]:
+    """(prompt text, context) then the response: the chat template renders prompt + response messages and the
+    assistant turns after the prompt are trained; plain text is the (templated) prompt then the response."""
+    if apply_chat_template:
+        prompt_messages = _prompt_messages(prompt, system)
+        return _conversation_segments(tokenizer, prompt_messages + _messages(response, "assistant", "response"),
+                                      train_from=len(prompt_messages))
+    if not isinstance(response, str):
+        raise DataValidationError("a chat-format response (list of messages) needs --apply_chat_template")
+    return [(format_prompt(tokenizer, prompt, False, input_template), False), (response, True)]
+
+
+def _split_prompt(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of an encoded prompt + response: the prompt ends where training starts."""
+    start = mask.index(1) if 1 in mask else len(ids)
+    return ids[:start], ids[start:]
+
+
+def _fit(ids: list[int], mask: list[int], max_len: int) -> tuple[list[int], list[int]] | None:
+    """The example cut to max_len, or None when no target is left (the first token is never one: nothing
+    precedes it)."""
+    ids, mask = ids[:max_len], mask[:max_len]
+    return (ids, mask) if any(mask[1:]) else None
 
 
 def _check_dropped(kind: str, dropped_rows: list[int], total: int, reason: str) -> None:
@@ -374,54 +624,141 @@ def build_sft_examples(
     apply_chat_template: bool,
     max_len: int,
     input_template: str | None = None,
+    system_key: str | None = None,
+    multiturn: bool = False,
+    pretrain_mode: bool = False,
 ) -> list[dict]:
-    """[{"input_ids", "loss_mask"}]: prompt + response + eos, loss on response and eos only.
+    """[{"input_ids", "loss_mask"}], loss_mask[i] == 1 where input_ids[i] is a target (OpenRLHF's SFT modes):
 
-    Sequences are cut to max_len keeping the whole prompt; rows whose prompt leaves no room for any response
-    token are dropped (counted and logged).
+    - prompt + response (+ eos): loss on the response, e.g. OpenOrca's question/response with its system prompt
+      (`system_key`, rendered as a system message by the chat template);
+    - `multiturn`: the conversation in `input_key` rendered with the chat template, loss on every assistant turn;
+    - `pretrain_mode`: the text in `input_key` (+ eos), loss on every token.
+
+    Sequences are cut to max_len; rows left without any trained token (the prompt fills max_len) are dropped,
+    counted and logged.
     """
-    _, prompt_ids = _encode_prompts(tokenizer, list(ds[input_key]), apply_chat_template, input_template)
-    response_ids = _encode_responses(tokenizer, list(ds[output_key]))
+    if multiturn:
+        pieces = [_conversation_segments(tokenizer, _messages(c, "user", "conversation")) for c in ds[input_key]]
+    elif pretrain_mode:
+        texts = [format_prompt(tokenizer, t, False, input_template) if isinstance(t, str) else
+                 _render(tokenizer, _messages(t, "user", "text")) for t in ds[input_key]]
+        pieces = [[(text, True)] for text in texts]
+    else:
+        systems = ds[system_key] if system_key is not None else [None] * len(ds)
+        pieces = [
+            _prompt_response_pieces(tokenizer, prompt, response, apply_chat_template=apply_chat_template,
+                                    input_template=input_template, system=system)
+            for prompt, response, system in zip(ds[input_key], ds[output_key], systems)
+        ]
     examples, dropped = [], []
-    for row, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
-        if len(prompt) >= max_len:
+    for row, (ids, mask) in enumerate(_encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)):
+        fitted = _fit(ids, mask, max_len)
+        if fitted is None:
             dropped.append(row)
             continue
-        input_ids, loss_mask = _prompt_and_response(prompt, response, max_len)
-        examples.append({"input_ids": input_ids, "loss_mask": loss_mask})
-    _check_dropped("SFT", dropped, len(prompt_ids), f"the prompt fills max_len={max_len}; raise --max_len")
+        examples.append({"input_ids": fitted[0], "loss_mask": fitted[1]})
+    _check_dropped("SFT", dropped, len(ds), f"no response token fits in max_len={max_len}; raise --max_len")
     return examples
+
+
+def _split_conversations(prompt: Any, chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """(prompt, chosen response, rejected response) of a preference row. Without a prompt column (prompt None),
+    conversations split into their shared prefix and final turn, and plain texts have an empty prompt."""
+    if prompt is not None:
+        return prompt, chosen, rejected
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        return "", chosen, rejected
+    chosen, rejected = _messages(chosen, "assistant", "chosen"), _messages(rejected, "assistant", "rejected")
+    return chosen[:-1], chosen[-1:], rejected[-1:]
 
 
 def build_preference_examples(
     ds: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     *,
-    prompt_key: str,
+    prompt_key: str | None,
     chosen_key: str,
     rejected_key: str,
     apply_chat_template: bool,
     max_len: int,
     input_template: str | None = None,
+    margin_key: str | None = None,
 ) -> list[dict]:
-    """[{"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"}], built like SFT examples."""
-    _, prompt_ids = _encode_prompts(tokenizer, list(ds[prompt_key]), apply_chat_template, input_template)
-    chosen_ids = _encode_responses(tokenizer, list(ds[chosen_key]))
-    rejected_ids = _encode_responses(tokenizer, list(ds[rejected_key]))
+    """[{"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"(, "margin")}], each side built
+    like an SFT example (loss mask on the response and eos)."""
+    prompts = ds[prompt_key] if prompt_key is not None else [None] * len(ds)
+    chosen_pieces, rejected_pieces = [], []
+    for split in map(_split_conversations, prompts, ds[chosen_key], ds[rejected_key]):
+        prompt, chosen, rejected = split
+        for response, pieces in ((chosen, chosen_pieces), (rejected, rejected_pieces)):
+            pieces.append(_prompt_response_pieces(tokenizer, prompt, response, apply_chat_template=apply_chat_template,
+                                                  input_template=input_template))
+    special = not apply_chat_template
+    chosen = _encode_pieces(tokenizer, chosen_pieces, special_tokens=special)
+    rejected = _encode_pieces(tokenizer, rejected_pieces, special_tokens=special)
+    margins = ds[margin_key] if margin_key is not None else None
     examples, dropped = [], []
-    for row, (prompt, chosen, rejected) in enumerate(zip(prompt_ids, chosen_ids, rejected_ids)):
-        if len(prompt) >= max_len:
+    for row, (chosen_encoded, rejected_encoded) in enumerate(zip(chosen, rejected)):
+        chosen_fit, rejected_fit = _fit(*chosen_encoded, max_len), _fit(*rejected_encoded, max_len)
+        if chosen_fit is None or rejected_fit is None:
             dropped.append(row)
             continue
-        chosen_seq, chosen_mask = _prompt_and_response(prompt, chosen, max_len)
-        rejected_seq, rejected_mask = _prompt_and_response(prompt, rejected, max_len)
-        examples.append({
-            "chosen_ids": chosen_seq,
-            "chosen_loss_mask": chosen_mask,
-            "rejected_ids": rejected_seq,
-            "rejected_loss_mask": rejected_mask,
-        })
-    _check_dropped("preference", dropped, len(prompt_ids), f"the prompt fills max_len={max_len}; raise --max_len")
+        example = {"chosen_ids": chosen_fit[0], "chosen_loss_mask": chosen_fit[1],
+                   "rejected_ids": rejected_fit[0], "rejected_loss_mask": rejected_fit[1]}
+        if margins is not None:
+            example["margin"] = float(margins[row])
+        examples.append(example)
+    _check_dropped("preference", dropped, len(ds), f"no response token fits in max_len={max_len}; raise --max_len")
+    return examples
+
+
+def unpair_preferences(ds: datasets.Dataset, *, prompt_key: str | None, chosen_key: str,
+                       rejected_key: str) -> datasets.Dataset:
+    """Preference pairs as unpaired KTO rows (TRL's unpair_preference_dataset): each pair gives
+    {"prompt", "completion": chosen, "label": True} and {"prompt", "completion": rejected, "label": False}.
+
+    Without a prompt column, conversations are split into their shared prefix and final turn.
+    """
+    prompts = ds[prompt_key] if prompt_key is not None else [None] * len(ds)
+    rows = []
+    for prompt, chosen, rejected in map(_split_conversations, prompts, ds[chosen_key], ds[rejected_key]):
+        rows += [{"prompt": prompt, "completion": chosen, "label": True},
+                 {"prompt": prompt, "completion": rejected, "label": False}]
+    return datasets.Dataset.from_list(rows)
+
+
+def build_kto_examples(
+    ds: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    input_key: str,
+    output_key: str,
+    label_key: str,
+    apply_chat_template: bool,
+    max_len: int,
+    input_template: str | None = None,
+) -> list[dict]:
+    """[{"prompt_ids", "response_ids", "desirable"}]: unpaired prompt + completion (+ eos) with its bool label.
+
+    Prompt and response stay apart because KTO's KL reference point scores each prompt with another sample's
+    response. Responses are cut so that prompt + response fits max_len; rows without room are dropped.
+    """
+    pieces = [
+        _prompt_response_pieces(tokenizer, prompt, response, apply_chat_template=apply_chat_template,
+                                input_template=input_template)
+        for prompt, response in zip(ds[input_key], ds[output_key])
+    ]
+    examples, dropped = [], []
+    encoded = _encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)
+    for row, ((ids, mask), label) in enumerate(zip(encoded, ds[label_key])):
+        prompt_ids, response_ids = _split_prompt(ids, mask)
+        response_ids = response_ids[: max_len - len(prompt_ids)]
+        if not response_ids:
+            dropped.append(row)
+            continue
+        examples.append({"prompt_ids": prompt_ids, "response_ids": response_ids, "desirable": bool(label)})
+    _check_dropped("KTO", dropped, len(ds), f"the prompt fills max_len={max_len}; raise --max_len")
     return examples
 
 
@@ -437,9 +774,13 @@ def build_prompt_examples(
 ) -> list[dict]:
     """[{"prompt", "prompt_ids", "label"}] for rollouts; label is "" without a label_key.
 
-    Prompts longer than prompt_max_len are dropped (counted and logged), not cut: a cut prompt is a different task.
+    Prompts are text or chat messages (OpenRLHF/prompt-collection-v0.1's context_messages, system turns
+    included); messages need `apply_chat_template`, which renders them with the generation prompt. Prompts longer
+    than prompt_max_len are dropped (counted and logged), not cut: a cut prompt is a different task.
     """
-    texts, prompt_ids = _encode_prompts(tokenizer, list(ds[input_key]), apply_chat_template, input_template)
+    texts = [format_prompt(tokenizer, p, apply_chat_template, input_template) for p in ds[input_key]]
+    # A rendered chat template already holds its special tokens (bos); plain text gets the tokenizer's own.
+    prompt_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
     labels = [str(label) for label in ds[label_key]] if label_key is not None else [""] * len(texts)
     examples, dropped = [], []
     for row, (text, ids, label) in enumerate(zip(texts, prompt_ids, labels)):
@@ -451,16 +792,14 @@ def build_prompt_examples(
     return examples
 
 
+def prompt_and_response(prompt_ids: list[int], response_ids: list[int]) -> tuple[list[int], list[int]]:
+    """Sequence and loss mask of a prompt followed by a response: 1 on the response tokens."""
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
 def pad_sequences(seqs: list[list[int]], pad_token_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of token sequences padded to the longest one."""
     return pad_batch(seqs, pad_token_id, side), pad_batch([[1] * len(seq) for seq in seqs], 0, side)
-
-
-def preference_batch(examples: list[dict], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chosen sequences first, then rejected ones, right-padded: (input_ids, attention_mask, loss_mask)."""
-    sequences = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    loss_masks = [e["chosen_loss_mask"] for e in examples] + [e["rejected_loss_mask"] for e in examples]
-    return (*pad_sequences(sequences, pad_token_id), pad_batch(loss_masks, 0))
 
 
 def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.Tensor:

@@ -268,12 +268,20 @@ def gathered_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
 
 
 def export_hf(engine_or_model, tokenizer, out_dir: str | os.PathLike, extra_config: dict | None = None) -> None:
-    """Write the model in HF format (safetensors + tokenizer) from rank 0; all ranks must call (ZeRO-3 gather)."""
-    state = gathered_state_dict(engine_or_model)
+    """Write the model in HF format (safetensors + tokenizer) from rank 0; all ranks must call (ZeRO-3 gathers).
+
+    A LoRA model is written merged (loadable like any HF model) with its adapter in `<out_dir>/lora_adapter`.
+    """
+    from stages import lora
+
+    state = dict(lora.merged_named_weights(engine_or_model))
+    adapter = lora.adapter_state(engine_or_model) if lora.is_lora(engine_or_model) else None
     if dist.get_rank() == 0:
         from stages.model_io import save_hf
 
-        save_hf(getattr(engine_or_model, "module", engine_or_model), tokenizer, out_dir, extra_config, state)
+        save_hf(lora.hf_model(engine_or_model), tokenizer, out_dir, extra_config, state)
+        if adapter is not None:
+            lora.save_adapter(engine_or_model, Path(out_dir) / lora.ADAPTER_DIR, adapter)
     dist.barrier()
 
 

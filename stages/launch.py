@@ -24,7 +24,7 @@ EXIT_WORKSPACE_BUSY = 4
 
 
 class StageInputError(ValueError):
-    """A problem with the stage's configuration or data, reported before any rank starts."""
+    """A problem with the stage's configuration or data (or a run that diverges on them): a retry cannot fix it."""
 
 
 def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
@@ -39,10 +39,16 @@ def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
     config_cls = type(cfg)
     if launched_by_torch_launcher():
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        # The launcher already set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for this process.
-        rank = int(os.environ["RANK"])
+        # The launcher already set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for this process, and passes
+        # --local_rank: the GPU of this rank.
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if device == "cuda":
+            torch.cuda.set_device(cfg.local_rank if cfg.local_rank >= 0 else int(os.environ.get("LOCAL_RANK", 0)))
+        if rank == 0 and world_size != cfg.world_size:
+            print(f"[{stage}] --num_nodes {cfg.num_nodes} × --num_gpus_per_node {cfg.num_gpus_per_node} = "
+                  f"{cfg.world_size} ranks ignored: the launcher started {world_size}", flush=True)
         start_step = claim_checkpoints(stage, cfg, write=rank == 0) if cfg.ckpt_path else 0
-        worker = worker_cls(rank, int(os.environ["WORLD_SIZE"]), device)
+        worker = worker_cls(rank, world_size, device)
         worker.setup(cfg.model_dump(), config_cls)
         return worker.fit(start_step, fault)
     start_step = claim_checkpoints(stage, cfg) if cfg.ckpt_path else 0
@@ -122,7 +128,9 @@ def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str
         print(f"[{stage}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_WORKSPACE_BUSY)
     except (DataValidationError, StageInputError) as error:
-        print(f"[{stage}] error: {error}", file=sys.stderr, flush=True)
+        # Raised in a rank actor, it arrives wrapped in Ray's error (also an instance of its class): show its own
+        # message, not the remote traceback.
+        print(f"[{stage}] error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)
     except Exception:
         traceback.print_exc()

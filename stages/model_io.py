@@ -110,14 +110,18 @@ def load_causal_lm(
     )
 
 
-def load_value_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_value_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+) -> PreTrainedModel:
     """Scalar-head model (reward model or critic): AutoModelForSequenceClassification with num_labels=1.
 
     The head is freshly initialised when `path` holds a plain causal LM. pad_token_id is set in the config
     because sequence classifiers score the last non-pad token and refuse batches without it.
     """
     local = resolve_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(local, num_labels=1, dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        local, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
+    )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(local).pad_token_id
     return model

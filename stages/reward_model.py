@@ -1,10 +1,15 @@
 """Reward model: a value head on the SFT model, trained on preference pairs with the pairwise loss.
 
-The reward of a sequence is the head's output at its last non-padding token. At evaluation time the mean and
-std of the rewards of all held-out chosen and rejected responses are stored in the checkpoint's config.json
-(`reward_mean`, `reward_std`) so that `--normalize_reward` in later stages can use them.
+The reward of a sequence is the head's output at its last token. At evaluation time the mean and std of the
+rewards of all held-out chosen and rejected responses are stored in the checkpoint's config.json (`reward_mean`,
+`reward_std`) so that `--normalize_reward` in later stages can use them.
+
+Pairs are prompt/chosen/rejected columns, or (no --prompt_key) chosen and rejected whole conversations, as in
+OpenRLHF/preference_dataset_mixture2_and_safe_pku; --margin_loss reads a `margin` column.
 
     python -m stages.reward_model --config tiny --pretrain ./sft --dataset pref.jsonl --save_path ./rm
+    deepspeed --module stages.reward_model --pretrain meta-llama/Meta-Llama-3-8B --apply_chat_template \\
+        --dataset OpenRLHF/preference_dataset_mixture2_and_safe_pku --chosen_key chosen --rejected_key rejected
 """
 
 from __future__ import annotations
@@ -12,61 +17,82 @@ from __future__ import annotations
 import torch
 
 from stages import algorithms as algo
-from stages import data
+from stages import data, packing
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, chunks, validate_sources
+from stages.trainer import StepTrainer, validate_sources
+
+MARGIN_COLUMN = "margin"  # OpenRLHF's column name for --margin_loss
 
 
-def sequence_rewards(model, input_ids, attention_mask) -> torch.Tensor:
-    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+def validate_rows(cfg, rows, source: str) -> None:
+    data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
+                             margin_key=MARGIN_COLUMN if cfg.margin_loss else None,
+                             apply_chat_template=cfg.apply_chat_template)
+
+
+def build_examples(cfg, tokenizer, rows) -> list[dict]:
+    return data.build_preference_examples(
+        rows, tokenizer, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
+        apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
+        margin_key=MARGIN_COLUMN if cfg.margin_loss else None,
+    )
+
+
+def pair_sequences(examples: list[dict]) -> list[list[int]]:
+    """Chosen sequences, then rejected ones: one forward scores both sides of every pair."""
+    return [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+
+
+def pair_rewards(model, examples: list[dict], *, pad_token_id: int, packing_samples: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen rewards [B], rejected rewards [B]): the value head at the last token of each response."""
+    rewards = packing.last_token_values(model, pair_sequences(examples), pad_token_id=pad_token_id,
+                                        packing=packing_samples)
+    return rewards[: len(examples)], rewards[len(examples) :]
 
 
 class RewardModelWorker(StepTrainer):
     stage = "reward_model"
+    value_model = True
 
     def load_train_model(self, ds_config):
         from stages.model_io import load_value_model
 
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        model = load_for_zero(lambda: load_value_model(self.model_path, dtype=dtype), ds_config)
+        attn = self.attn_implementation()
+        model = load_for_zero(lambda: load_value_model(self.model_path, dtype=dtype, attn_implementation=attn),
+                              ds_config)
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 
     def build_examples(self, source: str, split: str) -> list[dict]:
-        cfg = self.cfg
-        rows = data.load_rows(source, split=split, max_samples=cfg.max_samples)
-        examples = data.build_preference_examples(
-            rows, self.tokenizer, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key,
-            rejected_key=cfg.rejected_key, apply_chat_template=cfg.apply_chat_template, max_len=cfg.max_len,
-        )
-        if cfg.margin_loss:
-            for example, row in zip(examples, rows):
-                example["margin"] = float(row["margin"])
-        return examples
+        rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
+        return build_examples(self.cfg, self.tokenizer, rows)
 
     def step_normalizer(self, examples: list[dict]) -> float:
         return float(len(examples))
 
     def pair_rewards(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, attention_mask, _ = (t.to(self.model_device) for t in
-                                        data.preference_batch(examples, self.tokenizer.pad_token_id))
-        rewards = sequence_rewards(self.engine, input_ids, attention_mask)
-        return rewards[: len(examples)], rewards[len(examples) :]
+        return pair_rewards(self.engine, examples, pad_token_id=self.tokenizer.pad_token_id,
+                            packing_samples=self.cfg.packing_samples)
 
     def micro_batch_loss(self, examples, normalizer):
         chosen, rejected = self.pair_rewards(examples)
-        margin = torch.tensor([e["margin"] for e in examples]) if self.cfg.margin_loss else None
+        margin = torch.tensor([e["margin"] for e in examples], device=chosen.device) if self.cfg.margin_loss else None
         loss = algo.pairwise_rm_loss(chosen, rejected, margin=margin, kind=self.cfg.loss) * len(examples) / normalizer
         correct = float((chosen > rejected).sum())
-        return loss, {"loss": loss.item(), "accuracy": correct / normalizer}
+        return loss, {"loss": loss.item(), "accuracy": correct / normalizer,
+                      "tokens": float(sum(map(len, pair_sequences(examples))))}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.engine.eval()
         correct, pairs, total, total_sq, count = 0.0, 0.0, 0.0, 0.0, 0.0
-        for micro in chunks(self.eval_shard(), self.cfg.micro_train_batch_size):
+        for micro, real in self.eval_micro_batches():
             chosen, rejected = self.pair_rewards(micro)
+            if not real:
+                continue
             both = torch.cat([chosen, rejected]).double()
             correct += float((chosen > rejected).sum())
             pairs += len(micro)
@@ -84,8 +110,7 @@ class RewardModelWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    validate_sources(cfg, lambda rows, source: data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key,
-                                                                        cfg.rejected_key))
+    validate_sources(cfg, lambda rows, source: validate_rows(cfg, rows, source))
     return run_rank_group("reward_model", RewardModelWorker, cfg)
 
 

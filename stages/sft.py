@@ -1,7 +1,12 @@
-"""Supervised fine-tuning: causal-LM loss on response tokens, one global token mean per optimizer step.
+"""Supervised fine-tuning: causal-LM loss on the trained tokens, one global token mean per optimizer step.
+
+What is trained (OpenRLHF's SFT modes): the response of prompt/response rows (--input_key/--output_key, through
+--input_template or --apply_chat_template, with an optional --system_key), every assistant turn of whole
+conversations (--multiturn), or every token of raw text (--pretrain_mode).
 
     python -m stages.sft --config tiny --pretrain ./model --dataset sft.jsonl --save_path ./out
-    deepspeed --module stages.sft --pretrain meta-llama/Meta-Llama-3-8B --dataset ... --zero_stage 3 --bf16
+    deepspeed --module stages.sft --pretrain meta-llama/Meta-Llama-3-8B --dataset Open-Orca/OpenOrca \\
+        --input_key question --output_key response --input_template $'User: {}\\nAssistant: ' --zero_stage 2 --bf16
 """
 
 from __future__ import annotations
@@ -12,13 +17,32 @@ from stages import algorithms as algo
 from stages import data
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, chunks, next_token_log_probs, validate_sources
+from stages.trainer import StepTrainer, validate_sources
 
 
-def causal_lm_batch(examples: list[dict], pad_token_id: int, device) -> tuple[torch.Tensor, ...]:
-    input_ids, attention_mask = data.pad_sequences([e["input_ids"] for e in examples], pad_token_id)
-    loss_mask = data.pad_batch([e["loss_mask"] for e in examples], 0)
-    return input_ids.to(device), attention_mask.to(device), loss_mask.to(device)
+def validate_rows(cfg, rows, source: str) -> None:
+    data.validate_sft(rows, source, cfg.input_key, cfg.output_key, multiturn=cfg.multiturn,
+                      pretrain_mode=cfg.pretrain_mode, system_key=cfg.system_key,
+                      apply_chat_template=cfg.apply_chat_template)
+
+
+def build_examples(cfg, tokenizer, rows) -> list[dict]:
+    return data.build_sft_examples(
+        rows, tokenizer, input_key=cfg.input_key, output_key=cfg.output_key,
+        apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
+        system_key=cfg.system_key, multiturn=cfg.multiturn, pretrain_mode=cfg.pretrain_mode,
+    )
+
+
+def token_count(examples: list[dict]) -> float:
+    """Trained tokens of the examples; the mask is shifted by one against the log-probs (token 0 has none)."""
+    return float(sum(sum(e["loss_mask"][1:]) for e in examples))
+
+
+def sft_loss(token_log_probs: list[torch.Tensor], examples: list[dict], normalizer: float) -> torch.Tensor:
+    """Summed NLL of the trained tokens / normalizer (the step's trained tokens: a global token mean)."""
+    masks = torch.cat([torch.tensor(e["loss_mask"][1:], device=token_log_probs[0].device) for e in examples])
+    return algo.aggregate_token_loss(-torch.cat(token_log_probs), masks, normalizer)
 
 
 class SFTWorker(StepTrainer):
@@ -28,44 +52,35 @@ class SFTWorker(StepTrainer):
         from stages.model_io import load_causal_lm
 
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = "flash_attention_2" if self.cfg.flash_attn and self.device == "cuda" else None
+        attn = self.attn_implementation()
         return load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn), ds_config)
 
     def build_examples(self, source: str, split: str) -> list[dict]:
-        cfg = self.cfg
-        rows = data.load_rows(source, split=split, max_samples=cfg.max_samples)
-        return data.build_sft_examples(
-            rows, self.tokenizer, input_key=cfg.input_key, output_key=cfg.output_key,
-            apply_chat_template=cfg.apply_chat_template, max_len=cfg.max_len,
-        )
+        rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
+        return build_examples(self.cfg, self.tokenizer, rows)
 
     def step_normalizer(self, examples: list[dict]) -> float:
-        # Response tokens that are predicted: the mask is shifted by one against the inputs.
-        return float(sum(sum(e["loss_mask"][1:]) for e in examples))
+        return token_count(examples)
 
     def micro_batch_loss(self, examples, normalizer):
-        input_ids, attention_mask, loss_mask = causal_lm_batch(examples, self.tokenizer.pad_token_id,
-                                                               self.model_device)
-        logp = next_token_log_probs(self.engine, input_ids, attention_mask)
-        loss = algo.aggregate_token_loss(-logp, loss_mask[:, 1:], normalizer)
-        return loss, {"loss": loss.item()}
+        sequences = [e["input_ids"] for e in examples]
+        loss = sft_loss(self.log_probs(self.engine, sequences), examples, normalizer)
+        return loss, {"loss": loss.item(), "tokens": float(sum(map(len, sequences)))}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.engine.eval()
         nll, tokens = 0.0, 0.0
-        for micro in chunks(self.eval_shard(), self.cfg.micro_train_batch_size):
-            input_ids, attention_mask, loss_mask = causal_lm_batch(micro, self.tokenizer.pad_token_id,
-                                                                   self.model_device)
-            logp = next_token_log_probs(self.engine, input_ids, attention_mask)
-            nll += float(-(logp * loss_mask[:, 1:]).sum())
-            tokens += float(loss_mask[:, 1:].sum())
+        for micro, real in self.eval_micro_batches():
+            micro_nll = float(sft_loss(self.log_probs(self.engine, [e["input_ids"] for e in micro]), micro, 1.0))
+            if real:
+                nll, tokens = nll + micro_nll, tokens + token_count(micro)
         totals = self.all_reduce_sum({"nll": nll, "tokens": tokens})
         return {"loss": totals["nll"] / max(totals["tokens"], 1.0)}
 
 
 def run(cfg) -> dict:
-    validate_sources(cfg, lambda rows, source: data.validate_sft(rows, source, cfg.input_key, cfg.output_key))
+    validate_sources(cfg, lambda rows, source: validate_rows(cfg, rows, source))
     return run_rank_group("sft", SFTWorker, cfg)
 
 

@@ -29,12 +29,15 @@ USER_TOKEN = "<|user|>"
 ASSISTANT_TOKEN = "<|assistant|>"
 SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
 
-# One user turn then one assistant turn; the generation prompt opens the assistant turn.
+# User and assistant turns, optionally after a system prompt (plain text on its own line); the generation prompt
+# opens the assistant turn. No token is added for the system role: the vocabulary, and so the model, stay as they were.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ '" + USER_TOKEN + "' + message['content'] }}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '" + USER_TOKEN + "' + message['content'] }}"
     "{% elif message['role'] == 'assistant' %}{{ '" + ASSISTANT_TOKEN + "' + message['content'] + '" + EOS_TOKEN + "' }}"
-    "{% else %}{{ raise_exception('tiny chat template supports only user and assistant roles, got ' + message['role']) }}"
+    "{% else %}{{ raise_exception('tiny chat template supports only system, user and assistant roles, got ' "
+    "+ message['role']) }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '" + ASSISTANT_TOKEN + "' }}{% endif %}"
 )
@@ -60,7 +63,7 @@ PREF_PAIRS_PER_PROMPT = 3  # rejected answers: sum + 1, sum - 1 (sum + 2 for 0),
 
 ANSWER_PATTERN = re.compile(r"Answer:\s*(-?\d+)")
 ASSETS_MARKER = "tiny_assets.json"
-ASSETS_FORMAT = 2  # bump whenever the builders' output changes, so assets built by older code are rebuilt
+ASSETS_FORMAT = 3  # bump whenever the builders' output changes, so assets built by older code are rebuilt
 DATASET_FILES = {
     "sft_train": "sft_train.jsonl",
     "sft_eval": "sft_eval.jsonl",
@@ -68,7 +71,16 @@ DATASET_FILES = {
     "pref_eval": "pref_eval.jsonl",
     "prompts_train": "prompts_train.jsonl",
     "prompts_eval": "prompts_eval.jsonl",
+    # The train problems in the shapes of the datasets users train on (see _real_format_rows).
+    "orca_train": "orca_train.jsonl",
+    "chat_train": "chat_train.jsonl",
+    "pretrain_train": "pretrain_train.jsonl",
+    "pref_chat_train": "pref_chat_train.jsonl",
+    "prompts_chat_train": "prompts_chat_train.jsonl",
+    "prompts_chat_eval": "prompts_chat_eval.jsonl",
+    "kto_train": "kto_train.jsonl",
 }
+SYSTEM_PROMPTS = ("", "You are a careful calculator.")  # OpenOrca rows have a system prompt or an empty one
 
 
 @dataclass(frozen=True)
@@ -239,6 +251,54 @@ def _preference_rows(problems: list[Problem], rng: random.Random) -> list[dict]:
     return rows
 
 
+def _real_format_rows(train: list[Problem], held_out: list[Problem], sft_rows: list[dict], pref_rows: list[dict],
+                      rng: random.Random) -> dict[str, list[dict]]:
+    """The task in the column layouts of real datasets, so that every supported format is trained on:
+
+    - orca_train: Open-Orca/OpenOrca (id, system_prompt, question, response), the SFT demonstrations;
+    - chat_train: multi-turn conversations (messages), two SFT demonstrations per conversation;
+    - pretrain_train: raw text (text), prompt and response of each demonstration;
+    - pref_chat_train: OpenRLHF/preference_dataset_mixture2_and_safe_pku (chosen and rejected as whole
+      conversations, chosen_score, rejected_score), the preference pairs;
+    - prompts_chat_{train,eval}: OpenRLHF/prompt-collection-v0.1 (dataset, context, context_messages, id) plus label;
+    - kto_train: TRL's unpaired preferences (prompt, completion, bool label), per prompt the sum and a wrong answer.
+    """
+    def user(text: str) -> dict:
+        return {"role": "user", "content": text}
+
+    def assistant(text: str) -> dict:
+        return {"role": "assistant", "content": text}
+
+    def prompt_collection(problems: list[Problem], split: str) -> list[dict]:
+        return [{"dataset": "tiny-arithmetic", "context": p.prompt, "context_messages": [user(p.prompt)],
+                 "id": f"tiny-{split}-{i}", "label": str(p.answer)} for i, p in enumerate(problems)]
+
+    chat = []
+    for first, second in zip(sft_rows[0::2], sft_rows[1::2]):
+        system = rng.choice(SYSTEM_PROMPTS)
+        chat.append({"messages": ([{"role": "system", "content": system}] if system else [])
+                     + [user(first["prompt"]), assistant(first["response"]),
+                        user(second["prompt"]), assistant(second["response"])]})
+    kto = []
+    for p in train:
+        wrong = rng.choice([p.answer + 1, p.answer - 1 if p.answer > 0 else p.answer + 2])
+        kto += [{"prompt": p.prompt, "completion": format_response(p.answer), "label": True},
+                {"prompt": p.prompt, "completion": format_response(wrong), "label": False}]
+    rng.shuffle(kto)
+    return {
+        "orca_train": [{"id": f"tiny.{i}", "system_prompt": rng.choice(SYSTEM_PROMPTS), "question": row["prompt"],
+                        "response": row["response"]} for i, row in enumerate(sft_rows)],
+        "chat_train": chat,
+        "pretrain_train": [{"text": f"{row['prompt']} {row['response']}"} for row in sft_rows],
+        "pref_chat_train": [{"chosen": [user(row["prompt"]), assistant(row["chosen"])],
+                             "rejected": [user(row["prompt"]), assistant(row["rejected"])],
+                             "chosen_score": 1.0, "rejected_score": 0.0} for row in pref_rows],
+        "prompts_chat_train": prompt_collection(train, "train"),
+        "prompts_chat_eval": prompt_collection(held_out, "eval"),
+        "kto_train": kto,
+    }
+
+
 def build_tiny_datasets(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """Write SFT, preference and RL-prompt jsonl files, each with a train and a held-out split, into out_dir."""
     out = Path(out_dir)
@@ -253,6 +313,8 @@ def build_tiny_datasets(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
         "prompts_train": [{"prompt": p.prompt, "label": str(p.answer)} for p in train],
         "prompts_eval": [{"prompt": p.prompt, "label": str(p.answer)} for p in held_out],
     }
+    # Own random stream: adding formats never changes the rows above.
+    rows |= _real_format_rows(train, held_out, rows["sft_train"], rows["pref_train"], random.Random(seed + 2))
     return {key: _write_jsonl(out / DATASET_FILES[key], rows[key]) for key in DATASET_FILES}
 
 

@@ -5,21 +5,32 @@ seeded permutation, rank r takes every world_size-th example of it. Because the 
 (seed, step), a job restarted from a checkpoint continues with exactly the batches it would have seen.
 Losses are normalised by a per-step global count (tokens or pairs) so gradient accumulation and the number of
 ranks do not change the gradient.
+
+A non-finite loss stops the stage (exit 2, naming the step and the loss) before anything of that step is written:
+the last checkpoint stays the newest, and no output appears.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from stages import engine as ds
+from stages import lora, packing
 from stages.distributed import RankWorker
+from stages.launch import StageInputError
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
+
+
+class NonFiniteLossError(StageInputError):
+    """Training diverged: a step's loss is nan or inf. Retrying the same run diverges again (exit code 2)."""
 
 
 def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -31,27 +42,27 @@ def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.T
     return algo.token_log_probs(logits / temperature, input_ids[:, 1:])
 
 
-def example_tokens(example: dict) -> int:
-    """Tokens one training example feeds the model (every token-id sequence it holds)."""
-    return sum(len(value) for key, value in example.items() if key.endswith("ids"))
-
-
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 class StepTrainer(RankWorker):
-    """Subclasses set `stage` and implement the model/data/loss hooks below."""
+    """Subclasses set `stage` (and `value_model` for a scalar-head model) and implement the hooks below."""
 
     stage: str = ""
+    value_model: bool = False  # LoRA then also trains the value head
 
     # ---- hooks
     def load_train_model(self, ds_config: dict) -> torch.nn.Module: ...
     def build_examples(self, source: str, split: str) -> list[dict]: ...
     def step_normalizer(self, examples: list[dict]) -> float: ...
     def micro_batch_loss(self, examples: list[dict], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss of one micro-batch as `sum / normalizer` (un-scaled) and summed statistics for logging."""
+        """Loss of one micro-batch as `sum / normalizer` (un-scaled) and summed statistics for logging; the
+        statistic "tokens" counts the tokens the trained model read."""
     def evaluate(self) -> dict[str, float]: ...
+    def step_record(self, sums: dict[str, float]) -> dict[str, float]:
+        """The logged values of a step from its statistics summed over micro-batches and ranks."""
+        return sums
     def export_extra_config(self) -> dict | None:
         return None
 
@@ -69,7 +80,7 @@ class StepTrainer(RankWorker):
                               if self.cfg.eval_dataset else [])
         self.steps_per_epoch = len(self.train_examples) // self.cfg.train_batch_size
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise StageInputError(
                 f"dataset {self.cfg.dataset} has {len(self.train_examples)} usable examples, fewer than"
                 f" --train_batch_size {self.cfg.train_batch_size}"
             )
@@ -78,12 +89,24 @@ class StepTrainer(RankWorker):
             self.cfg, world_size=self.world_size, train_batch_size=self.cfg.train_batch_size,
             micro_batch_size=self.cfg.micro_train_batch_size,
         )
-        model = self.load_train_model(ds_config)
+        model = lora.wrap(self.load_train_model(ds_config), self.cfg, value_model=self.value_model)
         self.engine = ds.build_train_engine(
             model, self.cfg, ds_config, learning_rate=self.cfg.learning_rate, total_steps=self.total_steps
         )
         return {"train_examples": len(self.train_examples), "eval_examples": len(self.eval_examples),
                 "total_steps": self.total_steps}
+
+    def attn_implementation(self) -> str | None:
+        """FlashAttention-2 with --flash_attn on CUDA; on CPU the flag cannot act, which rank 0 says once."""
+        if not self.cfg.flash_attn:
+            return None
+        if self.device == "cuda":
+            return "flash_attention_2"
+        if self.rank == 0 and not getattr(self, "_said_no_flash_attn", False):
+            print(f"[{self.stage}] --flash_attn has no effect on {self.device}: FlashAttention-2 kernels need CUDA; "
+                  "attention runs with PyTorch's sdpa", flush=True)
+            self._said_no_flash_attn = True
+        return None
 
     def step_examples(self, step: int) -> list[dict]:
         epoch, index = divmod(step, self.steps_per_epoch)
@@ -116,8 +139,12 @@ class StepTrainer(RankWorker):
                     self.engine.step()
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
-            record = {"step": step + 1, **self.all_reduce_sum(totals), "lr": self.engine.get_lr()[0],
-                      "tokens": sum(example_tokens(example) for example in batch)}
+            record = {"step": step + 1, **self.step_record(self.all_reduce_sum(totals)),
+                      "lr": self.engine.get_lr()[0]}
+            grad_norm = self.engine.get_global_grad_norm()  # global: the same on every rank (None with ZeRO-0)
+            if grad_norm is not None:
+                record["grad_norm"] = float(grad_norm)
+            stop_if_diverged(record)
             if cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0 and self.eval_examples:
                 with timer.phase("evaluation"):
                     record.update({f"eval_{k}": v for k, v in self.evaluate().items()})
@@ -144,10 +171,8 @@ class StepTrainer(RankWorker):
         if history:
             metrics["train_loss_first"] = history[0]["loss"]
             metrics["train_loss_last"] = history[-1]["loss"]
-            this_run = history[start_step:]
-            metrics.update(phase_seconds(this_run))
-            if this_run:
-                metrics["tokens_per_s"] = sum(r["tokens"] for r in this_run) / max(metrics["seconds/step"], 1e-9)
+            metrics.update(phase_seconds(history[start_step:]))
+            metrics["tokens_per_second"] = tokens_per_second(history[start_step:])
         if self.eval_examples:
             metrics.update({f"eval_{k}": v for k, v in self.evaluate().items()})
         ds.export_hf(self.engine, self.tokenizer, cfg.save_path, self.export_extra_config())
@@ -159,18 +184,50 @@ class StepTrainer(RankWorker):
         return {"metrics": metrics, "history": history}
 
     # ---- helpers
+    def log_probs(self, model, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Next-token log-probs of each sequence (packed with --packing_samples)."""
+        return packing.sequence_log_probs(model, sequences, pad_token_id=self.tokenizer.pad_token_id,
+                                          packing=self.cfg.packing_samples)
+
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         keys = sorted(values)
         tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(tensor)
         return {k: float(v) for k, v in zip(keys, tensor.tolist())}
 
-    def eval_shard(self) -> list[dict]:
-        return self.eval_examples[self.rank :: self.world_size]
+    def eval_micro_batches(self) -> Iterator[tuple[list[dict], bool]]:
+        """This rank's share of the held-out examples in micro-batches, as (examples, real). Every rank gets the
+        same number (forwards are collectives under ZeRO-3): a rank with fewer examples fills up with a repeated
+        example marked real=False, whose results it must not count."""
+        shard = self.eval_examples[self.rank :: self.world_size]
+        size = self.cfg.micro_train_batch_size
+        longest = math.ceil(len(self.eval_examples) / self.world_size)
+        for index in range(math.ceil(longest / size)):
+            micro = shard[index * size : (index + 1) * size]
+            yield (micro, True) if micro else (self.eval_examples[:1], False)
 
-    @property
-    def model_device(self) -> torch.device:
-        return next(self.engine.module.parameters()).device
+
+def stop_if_diverged(record: dict[str, Any]) -> None:
+    """Raise NonFiniteLossError when a step's loss or gradient norm is nan or inf.
+
+    Both are the same on every rank (summed or reduced over all of them), so every rank stops at the same step.
+    A non-finite gradient norm counts too: ZeRO-1/2/3 would skip such steps silently and report a finite loss
+    while the model stops learning.
+    """
+    step, loss = record["step"], record["loss"]
+    advice = (f"training diverged (lower --learning_rate, or check the data of that step); nothing of step {step} "
+              "was saved, the newest checkpoint under --ckpt_path is the last good one")
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(f"loss is {loss} at step {step}: {advice}")
+    grad_norm = record.get("grad_norm")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {step} (loss {loss:.4f}): {advice}")
+
+
+def tokens_per_second(records: list[dict]) -> float:
+    """Tokens read by the trained model (all ranks) per second of forward, backward and optimizer time."""
+    seconds = sum(r.get("time/forward_backward", 0.0) + r.get("time/optimizer", 0.0) for r in records)
+    return round(sum(r.get("tokens", 0.0) for r in records) / seconds, 1) if seconds > 0 else 0.0
 
 
 def validate_sources(cfg, validate: Callable[[Any, str], None]) -> None:

@@ -300,6 +300,18 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("rl", [*TINY, "--remote_rm_url", "r.py", "--dynamic_filtering", "--dynamic_filtering_reward_range", "1", "0"],
          ["--dynamic_filtering_reward_range 1.0 0.0"]),
         ("rl", [*TINY, "--save_best"], ["--save_best", "--eval_dataset"]),
+        ("dpo", [*TINY, "--lora_alpha", "32", "--lora_dropout", "0.1"],
+         ["--lora_alpha, --lora_dropout: configures LoRA adapters, which are off; set --lora_rank > 0"]),
+        ("rl", [*TINY, "--target_modules", "q_proj"], ["--target_modules: configures LoRA adapters, which are off"]),
+        ("sft", [*TINY, "--multiturn", "--pretrain_mode"], ["--multiturn and --pretrain_mode exclude each other"]),
+        ("sft", [*TINY, "--no_apply_chat_template", "--multiturn"], ["--multiturn needs --apply_chat_template"]),
+        ("sft", [*TINY, "--no_apply_chat_template", "--system_key", "system_prompt"],
+         ["--system_key needs --apply_chat_template"]),
+        ("sft", [*TINY, "--pretrain_mode", "--system_key", "system_prompt"],
+         ["--system_key applies to prompt/response"]),
+        ("reward_model", [*TINY, "--margin_loss", "--loss", "logexp"], ["--margin_loss needs --loss sigmoid"]),
+        ("kto", [*TINY, "--micro_train_batch_size", "1", "--train_batch_size", "16"],
+         ["--micro_train_batch_size 1: KTO's KL reference point"]),
     ],
 )
 def test_impossible_combinations_are_rejected_naming_the_flags(capsys, stage, argv, named):
@@ -419,6 +431,13 @@ def test_build_parser_flag_shapes():
     assert not parser.allow_abbrev
     args = vars(parser.parse_args(["--adam_betas", "0.9", "0.99", "--eps_clip_low_high", "0.2", "0.28", "--bf16"]))
     assert args == {"config": None, "adam_betas": [0.9, 0.99], "eps_clip_low_high": [0.2, 0.28], "bf16": True}
+
+
+def test_lora_flags_take_openrlhf_values():
+    cfg = parse_stage_args("sft", [*TINY, "--lora_rank", "8", "--lora_alpha", "32", "--target_modules", "q_proj",
+                                   "v_proj", "--lora_dropout", "0.05"], require_inputs=False)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules, cfg.lora_dropout) == (8, 32, ["q_proj", "v_proj"], 0.05)
+    assert parse_stage_args("rl", TINY, require_inputs=False).target_modules == ["all-linear"]
 
 
 def test_config_hash_is_stable_and_ignores_placement():

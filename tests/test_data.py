@@ -264,3 +264,77 @@ def test_pad_batch_pads_either_side():
     assert data.pad_batch([[1, 2, 3], [4]], 9, side="left").tolist() == [[1, 2, 3], [9, 9, 4]]
     with pytest.raises(ValueError, match="padding side"):
         data.pad_batch([[1]], 0, side="middle")
+
+
+# ------------------------------------------------------------------------------- validation never crashes
+
+
+def bad_utf8_file(path: Path) -> Path:
+    rows = [json.dumps(row).encode() for row in SFT_ROWS]
+    rows[1] = rows[1].replace(b"Add", b"A\xffdd")  # one byte that is not UTF-8, in row 1's prompt
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "keys"),
+    [("sft", SFT_KEYS), ("preference", {"prompt_key": "prompt", "chosen_key": "response", "rejected_key": "other"}),
+     ("prompt", {"input_key": "prompt"})],
+)
+def test_undecodable_bytes_are_reported_by_row(tmp_path, kind, keys):
+    path = bad_utf8_file(tmp_path / "bad.jsonl")
+    if kind == "preference":  # a preference file: a rejected column next to the bad prompt
+        rows = path.read_bytes().splitlines()
+        path.write_bytes(b"\n".join(row[:-1] + b', "other": "Answer: 0"}' for row in rows) + b"\n")
+    validate = {"sft": data.validate_sft, "preference": data.validate_preference, "prompt": data.validate_prompts}
+    with pytest.raises(DataValidationError) as err:
+        validate[kind](data.load_rows(str(path)), str(path), **keys)
+    message = str(err.value)
+    assert str(path) in message and "failed 1 validation check(s)" in message
+    assert "column 'prompt' (--input_key" in message or "column 'prompt' (--prompt_key)" in message
+    assert "check valid_utf8 failed (text is not valid UTF-8) at rows [1]" in message
+
+
+def test_column_and_table_level_failures_name_the_whole_column(tmp_path):
+    """Failures pandera reports without a row (a check over a whole column, a check that raised) still end in
+    the one report, never in a traceback."""
+    import pandera.pandas as pa
+
+    def breaks(value):
+        raise RuntimeError("cannot check this")
+
+    schema = pa.DataFrameSchema(
+        {"prompt": pa.Column(checks=[pa.Check(lambda column: False, name="column_wide"),
+                                     pa.Check(breaks, element_wise=True, name="raises")]),
+         "response": pa.Column(checks=[pa.Check(lambda value: value != "Answer: 9", element_wise=True,
+                                                name="row_check")])},
+        checks=[pa.Check(lambda frame: False, name="table_wide")],
+    )
+    with pytest.raises(DataValidationError) as err:
+        data._validate("SFT", schema, dataset(SFT_ROWS), "rows.jsonl", {"prompt": "--input_key"})
+    message = str(err.value)
+    assert "failed 4 validation check(s)" in message
+    assert "column 'prompt' (--input_key): check column_wide failed (column_wide) on the whole column: False" in message
+    assert "column 'prompt' (--input_key): check raises failed (raises) on the whole column: " \
+           'RuntimeError("cannot check this")' in message
+    assert "column 'response': check row_check failed (row_check) at rows [1]" in message
+    assert "check table_wide failed (table_wide) on the whole table: False" in message
+
+
+def test_a_failing_validation_machinery_is_still_a_data_error(monkeypatch):
+    monkeypatch.setattr(data, "_python_frame", lambda ds, columns: (_ for _ in ()).throw(MemoryError("too big")))
+    with pytest.raises(DataValidationError, match=r"SFT data in rows.jsonl could not be validated: MemoryError"):
+        data.validate_sft(dataset(SFT_ROWS), "rows.jsonl", **SFT_KEYS)
+
+
+def test_wrong_types_from_parquet_are_row_failures(tmp_path):
+    path = tmp_path / "prompts.parquet"
+    pd.DataFrame({"prompt": ["Add 1 and 1.", "Add 2 and 2."], "label": [True, False]}).to_parquet(path)
+    message = validation_error_of(path, data.validate_prompts, input_key="prompt", label_key="label")
+    assert "column 'label' (--label_key): check label_is_scalar failed" in message and "at rows [0, 1]" in message
+
+
+def validation_error_of(path: Path, validate, **keys) -> str:
+    with pytest.raises(DataValidationError) as err:
+        validate(data.load_rows(str(path)), str(path), **keys)
+    return str(err.value)

@@ -122,7 +122,7 @@ def test_pipeline_learns(resumed_run):
     assert set(result.stages) == set(STAGES)
     reward_model = result.stages["reward_model"].metrics
     report = result.stages["evaluate"].metrics
-    assert reward_model["eval_accuracy"] >= 0.9, reward_model
+    assert reward_model["eval_accuracy"] >= 0.95, reward_model
     assert report["accuracy"] - report["reference_accuracy"] >= 0.2, report
     assert math.isfinite(report["kl_mean"]), report
 

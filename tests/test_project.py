@@ -12,7 +12,7 @@ import pytest
 from stages.config import STAGE_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
-ENTRYPOINTS = ("sft", "reward_model", "dpo", "rl", "evaluate")
+ENTRYPOINTS = ("sft", "reward_model", "dpo", "kto", "rl", "evaluate")
 
 
 def quick_start_commands() -> list[str]:

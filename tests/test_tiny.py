@@ -127,6 +127,8 @@ def test_chat_template_renders_turns_with_special_tokens(tokenizer):
     assert tokens[0] == "<|user|>" and tokens[-1] == "<|eos|>" and "<|assistant|>" in tokens
     assert "1" in tokens and "11" not in tokens  # digits are single tokens
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Add 4 and 7.Answer: 11"
+    system = tokenizer.apply_chat_template([{"role": "system", "content": "Be exact."}, *messages], tokenize=False)
+    assert system == "Be exact.\n<|user|>Add 4 and 7."
     # The response tokenises the same alone as after the prompt, so prompt/response masks line up.
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer("Answer: 11<|eos|>", add_special_tokens=False)["input_ids"]
@@ -134,8 +136,9 @@ def test_chat_template_renders_turns_with_special_tokens(tokenizer):
 
 
 def test_datasets_are_well_formed_with_disjoint_held_out_prompts(assets):
-    rows = {key: read_jsonl(assets[key]) for key in tiny.DATASET_FILES}
     fields = {"sft": {"prompt", "response"}, "pref": {"prompt", "chosen", "rejected"}, "prompts": {"prompt", "label"}}
+    rows = {f"{family}_{split}": read_jsonl(assets[f"{family}_{split}"])
+            for family in fields for split in ("train", "eval")}
     for key, data in rows.items():
         assert data, key
         assert all(set(row) == fields[key.rsplit("_", 1)[0]] for row in data), key
@@ -148,6 +151,30 @@ def test_datasets_are_well_formed_with_disjoint_held_out_prompts(assets):
     assert {r["prompt"] for r in rows["sft_eval"]} == {r["prompt"] for r in rows["prompts_eval"]}
     assert {r["prompt"] for r in rows["pref_train"]} == {r["prompt"] for r in rows["prompts_train"]}
     assert len(rows["prompts_eval"]) == len({r["prompt"] for r in rows["prompts_eval"]})
+
+
+def test_real_format_files_hold_the_same_task(assets):
+    sft = read_jsonl(assets["sft_train"])
+    orca = read_jsonl(assets["orca_train"])
+    assert [(r["question"], r["response"]) for r in orca] == [(r["prompt"], r["response"]) for r in sft]
+    assert {r["system_prompt"] for r in orca} == set(tiny.SYSTEM_PROMPTS)
+    chat = read_jsonl(assets["chat_train"])
+    chat_turns = [m["content"] for r in chat for m in r["messages"] if m["role"] != "system"]
+    assert chat_turns == [text for r in sft[: len(chat_turns) // 2] for text in (r["prompt"], r["response"])]
+    assert [r["text"] for r in read_jsonl(assets["pretrain_train"])] == [f"{r['prompt']} {r['response']}" for r in sft]
+    pairs = read_jsonl(assets["pref_train"])
+    chat_pairs = read_jsonl(assets["pref_chat_train"])
+    assert [(r["chosen"][0]["content"], r["chosen"][1]["content"], r["rejected"][1]["content"]) for r in chat_pairs] \
+        == [(r["prompt"], r["chosen"], r["rejected"]) for r in pairs]
+    for split in ("train", "eval"):
+        collection = read_jsonl(assets[f"prompts_chat_{split}"])
+        assert [(r["context_messages"], r["label"]) for r in collection] == [
+            ([{"role": "user", "content": r["prompt"]}], r["label"]) for r in read_jsonl(assets[f"prompts_{split}"])]
+    kto = read_jsonl(assets["kto_train"])
+    assert sum(r["label"] for r in kto) == len(kto) // 2 == len(read_jsonl(assets["prompts_train"]))
+    for row in kto:
+        a, b = map(int, re.findall(r"\d+", row["prompt"]))
+        assert (tiny.extract_answer(row["completion"]) == str(a + b)) is row["label"]
 
 
 def test_rl_labels_are_the_sums_and_preferences_prefer_them(assets):
