@@ -89,7 +89,6 @@ class StageConfig(_Strict):
 
     device: Device = Field("auto", description="where ranks run: cuda, cpu, or auto (cuda when the cluster has GPUs)")
     seed: int = Field(42, description="random seed for initialisation, data order and sampling")
-    local_rank: int = Field(-1, description="rank on this node, passed by the deepspeed launcher (--local_rank=N)")
     save_path: str = Field(
         "./ckpt", description="output directory: HF model (safetensors + tokenizer) or report, and metrics.json",
     )
@@ -239,6 +238,7 @@ class OfflineTrainingConfig(RankLayout, TrainingConfig):
 
     required_inputs = (("pretrain",), ("dataset",))
 
+    local_rank: int = Field(-1, description="rank on this node, passed by the deepspeed launcher (--local_rank=N)")
     dataset: str | None = Field(None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI")
     dataset_split: str = Field("train", description="split of --dataset to read (a single file is the split itself)")
 

@@ -140,7 +140,8 @@ def run(cfg) -> dict[str, Any]:
     from stages.model_io import load_tokenizer, resolve_model_path
 
     rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key)
+    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key,
+                          apply_chat_template=cfg.apply_chat_template)
     models = {"policy": cfg.pretrain, "reference": cfg.ref_pretrain, "production": cfg.production_pretrain}
     models = {name: resolve_model_path(path) for name, path in models.items() if path}
     tokenizer = load_tokenizer(models["policy"])

@@ -344,11 +344,13 @@ def run(cfg) -> dict[str, Any]:
 
     reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
     rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key)
+    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key,
+                          apply_chat_template=cfg.apply_chat_template)
     eval_rows = None
     if cfg.eval_dataset:
         eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
-        data.validate_prompts(eval_rows, cfg.eval_dataset, cfg.input_key, cfg.label_key)
+        data.validate_prompts(eval_rows, cfg.eval_dataset, cfg.input_key, cfg.label_key,
+                              apply_chat_template=cfg.apply_chat_template)
     start_step = ds.claim_checkpoints("rl", cfg) if cfg.ckpt_path else 0
     cfg.pretrain = resolve_model_path(cfg.pretrain)  # rank actors and engines then share one local copy
     tokenizer = load_tokenizer(cfg.pretrain)

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
 from typing import Any
 
 import ray
 import torch
+import torch.nn.functional as F
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
+from stages import lora
+from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.launch import StageInputError
 from stages.sequences import micro_batches
-from stages.trainer import next_token_log_probs
 
 
 def _dtype(cfg) -> torch.dtype:
@@ -58,9 +60,11 @@ class TokenValueModel(torch.nn.Module):
         self.model = model
         self.normalization = normalization
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         base = getattr(self.model, self.model.base_model_prefix)
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
         values = self.model.score(hidden).squeeze(-1).float()
         if self.normalization is not None:
             mean, std = self.normalization
@@ -112,13 +116,16 @@ class PolicyWorker(TrainedRole):
         path = resolve_model_path(cfg.pretrain)
         model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
                                                         attn_implementation=_attention(cfg, self.device)), ds_config)
+        model = lora.wrap(model, cfg, value_model=False)
         self.engine = ds.build_train_engine(model, cfg, ds_config, learning_rate=cfg.actor_learning_rate,
                                             total_steps=total_optimizer_steps)
+        # Tied parameters travel once; the engines copy them to their other names.
+        self._tied = set(getattr(lora.hf_model(self.engine), "all_tied_weights_keys", {}) or {})
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
-        return sequence_log_probs(self.engine, batch, self.cfg.micro_rollout_batch_size, self.cfg.temperature)
+        return sequence_log_probs(self.engine, batch, self.cfg)
 
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float, kl_coef: float) -> dict[str, float]:
         """One optimizer step over this rank's share of the step's samples (micro-batches accumulate).
@@ -136,9 +143,8 @@ class PolicyWorker(TrainedRole):
         totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         for micro in micro_batches(shard, cfg.micro_train_batch_size, device):
             mask = micro["action_mask"]
-            logits = self.engine(input_ids=micro["input_ids"],
-                                 attention_mask=micro["attention_mask"]).logits[:, :-1] / cfg.temperature
-            logp = algo.token_log_probs(logits, micro["input_ids"][:, 1:])
+            logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
+                                             with_entropy=cfg.entropy_loss_coef is not None)
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
             loss_t, clipped = algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high, cfg.dual_clip)
             policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
@@ -152,7 +158,7 @@ class PolicyWorker(TrainedRole):
                 kl = algo.compute_kl(logp.detach(), micro["ref_logp"], cfg.kl_estimator)
                 totals["kl_sum"] = totals.get("kl_sum", 0.0) + float(algo.masked_sum(kl, mask))
             if cfg.entropy_loss_coef is not None:
-                entropy = algo.aggregate_token_loss(algo.entropy_from_logits(logits), mask, step_tokens)
+                entropy = algo.aggregate_token_loss(entropy_t, mask, step_tokens)
                 loss = loss - cfg.entropy_loss_coef * entropy
                 totals["entropy"] = totals.get("entropy", 0.0) + entropy.item()
             self.engine.backward(loss * scale)
@@ -164,14 +170,18 @@ class PolicyWorker(TrainedRole):
         return totals
 
     # ---- weight sync to the rollout engines (stages/weight_sync.py)
-    def _sync_params(self) -> dict[str, torch.nn.Parameter]:
-        return dict(self.engine.module.named_parameters())
+    def _sync_weights(self, device) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full weight) as the engines load them: LoRA merged, ZeRO-3 gathered one module at a time
+        (every rank iterates), tied copies left out."""
+        for name, weight in lora.merged_named_weights(self.engine, device=device):
+            if name not in self._tied:
+                yield name, weight
 
     def sync_plan(self, bucket_bytes: int) -> list:
         from stages.weight_sync import plan_buckets
 
-        return plan_buckets(((name, tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-                             for name, p in self._sync_params().items()), bucket_bytes)
+        return plan_buckets(((name, tuple(w.shape), w.dtype) for name, w in self._sync_weights("meta")),
+                            bucket_bytes)
 
     def weight_sync_endpoint(self, world_size: int) -> tuple[str, int]:
         """Rank 0 only: host the weight-sync group's store on this node's address; where to reach it."""
@@ -189,22 +199,19 @@ class PolicyWorker(TrainedRole):
 
     @torch.no_grad()
     def broadcast_weights(self, buckets: list) -> None:
-        """Every rank joins each bucket's ZeRO-3 gather; rank 0 broadcasts the bucket to the engines."""
+        """Every rank walks the weights (joining the ZeRO-3 gathers); rank 0 broadcasts them bucket by bucket."""
         from stages.weight_sync import send_bucket
 
-        params = self._sync_params()
-        zero3 = any(hasattr(p, "ds_id") for p in params.values())
+        device = self._sync_group.device if self.rank == 0 else "meta"
+        weights = self._sync_weights(device)
         for bucket in buckets:
-            tensors = [params[name] for name, _, _ in bucket]
-            if zero3:
-                import deepspeed
-
-                gathered = deepspeed.zero.GatheredParameters(tensors, modifier_rank=None)
-            else:
-                gathered = nullcontext()
-            with gathered:
-                if self.rank == 0:
-                    send_bucket(self._sync_group, [t.data for t in tensors])
+            tensors = []
+            for expected, _, _ in bucket:
+                name, weight = next(weights)
+                assert name == expected, f"weight sync out of step: {name} where the plan has {expected}"
+                tensors.append(weight)
+            if self.rank == 0:
+                send_bucket(self._sync_group, tensors)
 
     def export(self, save_path: str) -> None:
         from stages.model_io import load_tokenizer
@@ -236,8 +243,7 @@ class CriticWorker(TrainedRole):
         """Value of the state before each action token, [B, T-1] (aligned with the action mask)."""
         self.engine.eval()
         device = next(self.engine.module.parameters()).device
-        return torch.cat([self.engine(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
-                          [:, :-1].cpu()
+        return torch.cat([value_forward(self.engine, micro, self.cfg.packing_samples).cpu()
                           for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, device)])
 
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
@@ -248,7 +254,7 @@ class CriticWorker(TrainedRole):
         totals = {"critic_loss": 0.0, "values": 0.0}
         for micro in micro_batches(shard, cfg.micro_train_batch_size, device):
             mask = micro["action_mask"]
-            values = self.engine(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])[:, :-1]
+            values = value_forward(self.engine, micro, cfg.packing_samples)
             loss = algo.aggregate_token_loss(
                 algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
             self.engine.backward(loss * scale)
@@ -275,7 +281,7 @@ class ReferenceWorker(RankWorker):
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sequence_log_probs(self.model, batch, self.cfg.micro_rollout_batch_size, self.cfg.temperature)
+        return sequence_log_probs(self.model, batch, self.cfg)
 
 
 class RewardModelWorker(RankWorker):
@@ -298,21 +304,60 @@ class RewardModelWorker(RankWorker):
     @torch.no_grad()
     def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reward of each sequence: the value head at its last non-padding token."""
-        rewards = torch.cat([self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
-                             .logits[:, 0].float().cpu()
-                             for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, self.device)])
+        rewards = torch.cat([
+            packing_lib.last_token_values(self.model, _unpadded(micro)[0], pad_token_id=self.model.config.pad_token_id,
+                                          packing=getattr(self.cfg, "packing_samples", False)).cpu()
+            for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, self.device)])
         if self.cfg.normalize_reward:
             mean, std = self.normalization
             rewards = (rewards - mean) / std
         return rewards
 
 
-def sequence_log_probs(model, batch: dict[str, torch.Tensor], micro_batch_size: int,
-                       temperature: float) -> torch.Tensor:
-    """Log-probs of the sampling distribution (logits / temperature), as the rollout engines sampled from."""
+def _unpadded(micro: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+    lengths = micro["attention_mask"].sum(dim=1).tolist()
+    return [row[:n].tolist() for row, n in zip(micro["input_ids"], lengths)], lengths
+
+
+def policy_forward(model, micro: dict[str, torch.Tensor], temperature: float, packing: bool,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next-token log-probs [B, T-1] of the sampling distribution (logits / temperature, as the engines sampled)
+    of a right-padded micro-batch, and the entropies when asked: from one padded forward, or with
+    --packing_samples from one padding-free forward of the sequences laid end to end (stages/packing.py)."""
+    ids = micro["input_ids"]
+    if not packing:
+        logits = model(input_ids=ids, attention_mask=micro["attention_mask"]).logits[:, :-1] / temperature
+        return algo.token_log_probs(logits, ids[:, 1:]), algo.entropy_from_logits(logits) if with_entropy else None
+    sequences, lengths = _unpadded(micro)
+    packed_ids, position_ids, starts = packing_lib.pack(sequences, ids.device)
+    logits = model(input_ids=packed_ids, position_ids=position_ids, use_cache=False).logits[0] / temperature
+    width = ids.shape[1] - 1
+    logp, entropy = [], []
+    for start, n in zip(starts, lengths):
+        row_logits = logits[start : start + n - 1].unsqueeze(0)
+        logp.append(F.pad(algo.token_log_probs(row_logits, packed_ids[:, start + 1 : start + n])[0], (0, width - n + 1)))
+        if with_entropy:
+            entropy.append(F.pad(algo.entropy_from_logits(row_logits)[0], (0, width - n + 1)))
+    return torch.stack(logp), torch.stack(entropy) if with_entropy else None
+
+
+def value_forward(model, micro: dict[str, torch.Tensor], packing: bool) -> torch.Tensor:
+    """Values [B, T-1] of the state before each next token (aligned with the action mask), padded or packed."""
+    if not packing:
+        return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])[:, :-1]
+    sequences, lengths = _unpadded(micro)
+    packed_ids, position_ids, starts = packing_lib.pack(sequences, micro["input_ids"].device)
+    values = model(input_ids=packed_ids, position_ids=position_ids)[0]
+    width = micro["input_ids"].shape[1] - 1
+    return torch.stack([F.pad(values[start : start + n - 1], (0, width - n + 1)) for start, n in zip(starts, lengths)])
+
+
+@torch.no_grad()
+def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg) -> torch.Tensor:
+    """Log-probs [B, T-1] of a batch, micro-batch by micro-batch, on CPU."""
     device = next(model.parameters()).device
-    return torch.cat([next_token_log_probs(model, micro["input_ids"], micro["attention_mask"], temperature).cpu()
-                      for micro in micro_batches(batch, micro_batch_size, device)])
+    return torch.cat([policy_forward(model, micro, cfg.temperature, cfg.packing_samples)[0].cpu()
+                      for micro in micro_batches(batch, cfg.micro_rollout_batch_size, device)])
 
 
 # ----------------------------------------------------------------------------- placement

@@ -80,13 +80,19 @@ def loaded_names(node: ast.AST) -> tuple[set[str], set[str]]:
 
 
 def definitions(trees: dict[str, ast.Module]) -> dict[str, list[ast.AST]]:
-    """Functions, classes and methods of the modules by name (config classes by their members only)."""
+    """Functions, classes, methods and module-level names (e.g. a table of worker classes) of the modules by name
+    (config classes by their members only)."""
     found: dict[str, list[ast.AST]] = {}
     for module, tree in trees.items():
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not (
                     module == CONFIG_MODULE and isinstance(node, ast.ClassDef)):
                 found.setdefault(node.name, []).append(node)
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and module != CONFIG_MODULE:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name) and node.value is not None:
+                        found.setdefault(target.id, []).append(node.value)
             if isinstance(node, ast.ClassDef):
                 for member in node.body:
                     if isinstance(member, ast.FunctionDef) and member.name not in VALIDATORS:

@@ -135,7 +135,9 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
         ("rloo", ("--colocate_all_models",), 0.4),
         ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1"), 0.4),
         ("reinforce_baseline", ("--kl_estimator", "k2"), 0.4),
-        ("dr_grpo", (), 0.4),
+        # The actor as LoRA adapters (merged weights go to the engine), packed forwards, ZeRO-3.
+        ("dr_grpo", ("--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate", "2e-3", "--packing_samples",
+                     "--zero_stage", 3), 0.4),
     ],
 )
 def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, estimator, flags, margin):
@@ -150,6 +152,7 @@ def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, es
     finally:
         server.close()
     metrics = metrics_of(policy)
+    assert (policy / "lora_adapter").is_dir() == ("--lora_rank" in flags)
     assert metrics["reward_failed_samples"] == 0 and sum(server.requests) > 0
     assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + margin, metrics
     assert math.isfinite(metrics["kl_last"])
