@@ -17,29 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from stages import data, packing, tiny
-from stages.distributed import free_port
 from stages.model_io import load_tokenizer
 from stages.tiny import build_tiny_assets
 
-ROOT = Path(__file__).resolve().parent.parent
-STAGE_TIMEOUT_S = 900
-
-
-def run_stage(stage: str, *flags: str, env: dict | None = None, expect_rc: int = 0) -> subprocess.CompletedProcess:
-    """Run a stage entrypoint as a user would, in its own process with a private local Ray."""
-    full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-                "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", f"stages.{stage}", "--config", "tiny", *map(str, flags)],
-                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
-    if proc.returncode != expect_rc:
-        raise AssertionError(f"stages.{stage} exited {proc.returncode} (expected {expect_rc})\n"
-                             f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
-
+from conftest import free_port
+from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage
 
 def run_launcher(stage: str, *flags: str, env: dict | None = None, expect_rc: int = 0) -> subprocess.CompletedProcess:
     """Run a stage under the DeepSpeed launcher with 2 CPU ranks, as the seed's commands do (no Ray)."""
@@ -54,23 +38,6 @@ def run_launcher(stage: str, *flags: str, env: dict | None = None, expect_rc: in
         raise AssertionError(f"deepspeed --module stages.{stage} exited {proc.returncode} (expected {expect_rc})\n"
                              f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
-
-
-def history_of(path: Path) -> list[dict]:
-    return json.loads((path / "history.json").read_text())
-
-
-def metrics_of(path: Path) -> dict:
-    return json.loads((path / "metrics.json").read_text())
-
-
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
-
-
-def max_weight_change(before: Path, after: Path) -> float:
-    a, b = weights(before), weights(after)
-    return max(float((a[k] - b[k]).abs().max()) for k in a if k in b)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +112,15 @@ def test_sft_resume_after_crash_repeats_the_uninterrupted_losses(sft_model, asse
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full], rel=1e-5)
     assert "[sft] step 50/150 (33%" in crashed.stdout and f"loss={full[49]['loss']:.4f}" in crashed.stdout
     assert max_weight_change(sft_model, tmp_path / "model") < 1e-5
+
+
+def test_checkpoints_of_another_run_are_refused(sft_model, assets, tmp_path):
+    """A stage pointed at checkpoints it did not write stops before training, naming what differs."""
+    proc = run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"],
+                     "--save_path", tmp_path / "model", "--ckpt_path", sft_model.parent / "ckpt", *SFT_FLAGS,
+                     "--learning_rate", "1e-3", expect_rc=2)
+    assert "holds checkpoints (step 150) of another run: --learning_rate 0.002 -> 0.001" in proc.stderr
+    assert "--load_checkpoint" in proc.stderr and not (tmp_path / "model").exists()
 
 
 def test_reward_model_separates_chosen_from_rejected(sft_model, assets, tmp_path):

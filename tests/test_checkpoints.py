@@ -1,0 +1,59 @@
+"""Checkpoints belong to the run that wrote them: a run resumes only from checkpoints of its own fingerprint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.config import parse_stage_args
+from stages.engine import FINGERPRINT_FILE, claim_checkpoints, commit_checkpoint, training_fingerprint
+from stages.launch import StageInputError
+
+
+def sft_config(tmp_path, *flags: str):
+    data = tmp_path / "sft.jsonl"
+    if not data.exists():
+        data.write_text('{"prompt": "1 + 1 = ?", "response": "Answer: 2"}\n')
+    return parse_stage_args("sft", ["--config", "tiny", "--pretrain", "org/model", "--dataset", str(data),
+                                    "--ckpt_path", str(tmp_path / "ckpt"), *flags])
+
+
+def test_a_fresh_directory_is_claimed_and_a_matching_run_resumes(tmp_path):
+    cfg = sft_config(tmp_path)
+    assert claim_checkpoints("sft", cfg) == 0
+    assert json.loads((tmp_path / "ckpt" / FINGERPRINT_FILE).read_text()) == training_fingerprint("sft", cfg)
+    commit_checkpoint(tmp_path / "ckpt", 50, max_keep=2)
+    # Logging, checkpoint cadence and output location do not change what is trained.
+    same_run = sft_config(tmp_path, "--logging_steps", "7", "--save_steps", "25", "--save_path", str(tmp_path / "o"))
+    assert claim_checkpoints("sft", same_run) == 50
+
+
+def test_checkpoints_of_another_run_are_refused_naming_what_differs(tmp_path):
+    claim_checkpoints("sft", sft_config(tmp_path))
+    commit_checkpoint(tmp_path / "ckpt", 50, max_keep=2)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "1 + 1 = ?", "response": "Answer: 3"}\n')  # same path, new data
+    other = sft_config(tmp_path, "--learning_rate", "0.1", "--pretrain", "org/other-model")
+    with pytest.raises(StageInputError) as error:
+        claim_checkpoints("sft", other)
+    message = str(error.value)
+    assert "holds checkpoints (step 50) of another run" in message
+    assert "--learning_rate 0.002 -> 0.1" in message and "--pretrain 'org/model' -> 'org/other-model'" in message
+    assert "content of --dataset (sha256:" in message and "--load_checkpoint" in message
+
+
+def test_load_checkpoint_resumes_anyway_and_the_directory_changes_hands(tmp_path, capsys):
+    claim_checkpoints("sft", sft_config(tmp_path))
+    commit_checkpoint(tmp_path / "ckpt", 50, max_keep=2)
+    on_purpose = sft_config(tmp_path, "--learning_rate", "0.1", "--load_checkpoint")
+    assert claim_checkpoints("sft", on_purpose) == 50
+    assert "--load_checkpoint: resuming from step 50 of a run that differed: --learning_rate" in capsys.readouterr().out
+    # The directory now belongs to the new run: it resumes without the flag.
+    assert claim_checkpoints("sft", sft_config(tmp_path, "--learning_rate", "0.1")) == 50
+
+
+def test_checkpoints_without_a_fingerprint_are_not_trusted(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    commit_checkpoint(tmp_path / "ckpt", 10, max_keep=2)
+    with pytest.raises(StageInputError, match="no fingerprint.json"):
+        claim_checkpoints("sft", sft_config(tmp_path))
