@@ -31,7 +31,6 @@ import datasets
 import numpy as np
 import pandas as pd
 import pandera.pandas as pa
-import torch
 from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.download import DownloadConfig
 from pandera.errors import SchemaErrors
@@ -795,24 +794,3 @@ def build_prompt_examples(
 def prompt_and_response(prompt_ids: list[int], response_ids: list[int]) -> tuple[list[int], list[int]]:
     """Sequence and loss mask of a prompt followed by a response: 1 on the response tokens."""
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
-
-
-def pad_sequences(seqs: list[list[int]], pad_token_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) of token sequences padded to the longest one."""
-    return pad_batch(seqs, pad_token_id, side), pad_batch([[1] * len(seq) for seq in seqs], 0, side)
-
-
-def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.Tensor:
-    """[B, longest] long tensor of `seqs` padded with `pad_value` on the right or left."""
-    if side not in ("left", "right"):
-        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
-    width = max((len(seq) for seq in seqs), default=0)
-    batch = torch.full((len(seqs), width), pad_value, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        if not seq:
-            continue
-        if side == "right":
-            batch[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        else:
-            batch[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-    return batch

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from stages import algorithms as algo
+from stages.sequences import pad_sequences
 
 
 def model_device(model) -> torch.device:
@@ -43,12 +44,7 @@ def pack(sequences: list[list[int]], device: torch.device | str = "cpu") -> tupl
 
 
 def _padded(sequences: list[list[int]], pad_token_id: int, device) -> tuple[Tensor, Tensor]:
-    width = max(len(seq) for seq in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[row, : len(seq)] = 1
+    input_ids, attention_mask = pad_sequences(sequences, pad_token_id)
     return input_ids.to(device), attention_mask.to(device)
 
 

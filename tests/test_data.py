@@ -12,7 +12,7 @@ import pytest
 import fsspec
 
 from infra.artifacts import storage_options_from_env
-from stages import data
+from stages import data, sequences
 from stages.data import DataValidationError
 from stages.model_io import load_tokenizer
 from stages.tiny import build_tiny_model
@@ -260,10 +260,10 @@ def test_prompt_examples_carry_text_ids_and_label(tokenizer, caplog):
 
 
 def test_pad_batch_pads_either_side():
-    assert data.pad_batch([[1, 2, 3], [4]], 0).tolist() == [[1, 2, 3], [4, 0, 0]]
-    assert data.pad_batch([[1, 2, 3], [4]], 9, side="left").tolist() == [[1, 2, 3], [9, 9, 4]]
+    assert sequences.pad_batch([[1, 2, 3], [4]], 0).tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert sequences.pad_batch([[1, 2, 3], [4]], 9, side="left").tolist() == [[1, 2, 3], [9, 9, 4]]
     with pytest.raises(ValueError, match="padding side"):
-        data.pad_batch([[1]], 0, side="middle")
+        sequences.pad_batch([[1]], 0, side="middle")
 
 
 # ------------------------------------------------------------------------------- validation never crashes

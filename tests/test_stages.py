@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import data, packing, tiny
+from stages import data, packing, sequences, tiny
 from stages.model_io import load_tokenizer
 from stages.tiny import build_tiny_assets
 
@@ -57,7 +57,7 @@ def greedy_accuracy(model_dir: Path, prompts_file: Path) -> float:
     tokenizer = load_tokenizer(model_dir)
     rows = [json.loads(line) for line in prompts_file.read_text().splitlines()]
     prompts = [data.format_prompt(tokenizer, row["prompt"], apply_chat_template=True) for row in rows]
-    input_ids, attention_mask = data.pad_sequences(tokenizer(prompts, add_special_tokens=False)["input_ids"],
+    input_ids, attention_mask = sequences.pad_sequences(tokenizer(prompts, add_special_tokens=False)["input_ids"],
                                                    tokenizer.pad_token_id, side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
