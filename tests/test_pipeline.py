@@ -134,8 +134,8 @@ def test_pipeline_learns(resumed_run):
     lineage = {m.stage for m in store.lineage("evaluate", result.stages["evaluate"].version)}
     assert lineage == set(STAGES)
     evaluate_inputs = store.get("evaluate", result.stages["evaluate"].version).inputs
-    assert evaluate_inputs["policy"].digest == result.stages["rl"].digest
-    assert evaluate_inputs["reference"].digest == result.stages["sft"].digest
+    assert evaluate_inputs["pretrain"].digest == result.stages["rl"].digest
+    assert evaluate_inputs["ref_pretrain"].digest == result.stages["sft"].digest
     if result.promotion.promoted:
         assert store.get("rl", "production").version == result.stages["rl"].version
 
