@@ -21,6 +21,8 @@ from tasks.report import MODELS, metrics_by_model, metrics_table
 from tasks.run_stage import StageResult, artifact_key
 
 PRODUCTION_ALIAS = "production"
+# Metrics are fractions and means in floating point: 0.51 - 0.50 must not exceed a tolerance of 0.01.
+ROUNDING = 1e-9
 
 
 class PromotionDecision(BaseModel):
@@ -62,7 +64,7 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
     if "accuracy" in metrics and "reference_accuracy" in metrics:
         comparisons += 1
         gain = metrics["accuracy"] - metrics["reference_accuracy"]
-        record(gain >= gate.min_accuracy_gain,
+        record(gain >= gate.min_accuracy_gain - ROUNDING,
                f"accuracy gain over the reference {gain:+.4f} (needs >= {gate.min_accuracy_gain:+.4f})")
     if "reward_mean" in metrics and "reference_reward_mean" in metrics:
         comparisons += 1
@@ -79,7 +81,7 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
             if name in metrics and f"production_{name}" in metrics:
                 against_production += 1
                 regression = metrics[f"production_{name}"] - metrics[name]
-                record(regression <= tolerance,
+                record(regression <= tolerance + ROUNDING,
                        f"{name} {metrics[name]:.4f} vs production v{production_version} "
                        f"{metrics[f'production_{name}']:.4f}: regression {regression:+.4f} (tolerance {tolerance})")
         if against_production == 0:
