@@ -1,10 +1,14 @@
-"""The `full-rlhf` flow: validate the data, then SFT → reward model → RL → evaluation → promotion.
+"""The `full-rlhf` flow: preflight, the stages of the config's shape, evaluation against the reference and the
+production policy, the promotion gate.
 
-Each stage is a `run_stage` task (a Ray job) whose result is persisted. Retrying a failed flow run (the UI's
-Retry, or `prefect flow-run retry <id>`) keeps the run id, so finished tasks come back Cached and are not run
-again; the failed stage has the same stage key, hence the same workspace, and its job resumes from the last
-checkpoint there. A new flow run with the same config re-runs no finished stage either: run_stage finds the
-committed artifact by stage key.
+Shapes (stages.config.PIPELINE_SHAPES) are data: the flow runs the shape's stages in order and feeds each
+stage's output into the fields STAGE_INPUTS names, e.g. SFT -> reward model -> RL -> evaluation, or SFT -> DPO ->
+evaluation. Each stage is a `run_stage` task (a Ray job) whose result is persisted. Retrying a failed flow run
+(the UI's Retry, or `prefect flow-run retry <id>`) keeps the run id, so finished tasks come back Cached and are not
+run again; the failed stage has the same stage key, hence the same workspace, and its job resumes from the last
+checkpoint there. A new flow run (the nightly schedule) re-runs only what changed: a stage whose config, inputs,
+data content and code are unchanged is found committed by its stage key; a night without changes submits no job,
+does not even start the embedded Ray head, and says so.
 
 Without RLHF_RAY_ADDRESS the flow runs its stages on the workspace's embedded Ray head (infra/ray_cluster.py):
 a retry after the flow's process was killed adopts the head the killed process left running and re-attaches to
@@ -14,6 +18,7 @@ RLHF_MAX_CRASH_RETRIES times in a row fails at once instead.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -25,12 +30,11 @@ from flows.results import PipelineResult
 from flows.server_setup import AUTO_RETRY_MESSAGE
 from infra.ray_cluster import ray_address_in_env
 from infra.settings import Settings, get_settings
-from stages.config import PipelineConfig
-from tasks.prepare import prepare_config
-from tasks.promote import PromotionGate, promote
+from stages.config import PipelineConfig, policy_stage, shape_inputs
+from tasks.preflight import preflight
+from tasks.promote import production_policy, promote
 from tasks.report import publish_report
-from tasks.run_stage import stage_task
-from tasks.validate import validate_data
+from tasks.run_stage import StageResult, stage_task
 
 
 class CrashLoop(RuntimeError):
@@ -58,7 +62,8 @@ def artifact_root_for(config: PipelineConfig, settings: Settings) -> str:
 # PREFECT_DEFAULT_RESULT_STORAGE_BLOCK in production; the stage results to the settings' result storage.
 @flow(name="full-rlhf", persist_result=True)
 def full_rlhf(config: PipelineConfig) -> PipelineResult:
-    """SFT → reward model → RL → evaluation on `config`; promotes the policy if the evaluation passes."""
+    """The stages of `config.shape` in order, then evaluation and the promotion gate: the candidate policy becomes
+    `production` only if it beats its reference and does not fall behind the current production policy."""
     settings = get_settings()
     logger = get_run_logger()
     with get_client(sync_client=True) as client:
@@ -68,21 +73,33 @@ def full_rlhf(config: PipelineConfig) -> PipelineResult:
                         f"{settings.max_crash_retries}); not running again: find the cause, then retry by hand")
     root = artifact_root_for(config, settings)
     persisted = {"result_storage": settings.result_storage_block()}
-    with ray_address_in_env(settings, log=logger.info) as ray_address:
-        logger.info(f"Ray Jobs API {ray_address}; artifacts {root}/{config.name}; workspaces {settings.workspace_root}")
-        config = prepare_config.with_options(**persisted)(config)
-        validate_data.with_options(**persisted)(config)
-
+    plan = preflight.with_options(**persisted)(config, artifact_root=root, ray_address=settings.ray_address)
+    config = plan.config
+    # A night without changes needs no cluster: every stage is found committed.
+    cluster = nullcontext() if plan.reused_everything else ray_address_in_env(settings, log=logger.info)
+    with cluster as ray_address:
+        logger.info(f"{config.shape}: {' -> '.join(config.stages)}; Ray Jobs API {ray_address or 'not needed'}; "
+                    f"artifacts {root}/{config.name}; workspaces {settings.workspace_root}")
         run = stage_task(settings)
-        common = {"pipeline": config.name, "artifact_root": root}
-        sft = run("sft", config.sft, {}, **common)
-        reward_model = run("reward_model", config.reward_model, {"base": sft}, **common)
-        policy = run("rl", config.rl, {"actor": sft, "reward": reward_model}, **common)
-        report = run("evaluate", config.evaluate, {"policy": policy, "reference": sft, "reward": reward_model},
-                     **common)  # fmt: skip
-        gate = PromotionGate(min_reward_gain=config.promotion_min_reward_gain)
-        decision = promote.with_options(**persisted)(policy, report, gate, artifact_root=root)
-        evaluation_report = publish_report.with_options(**persisted)(report, policy, artifact_root=root)
+        wiring = shape_inputs(config.shape)
+        results: dict[str, StageResult] = {}
+        production = None
+        for stage in config.stages:
+            inputs = {field: results[producer] for field, producer in wiring[stage].items()}
+            if stage == "evaluate":
+                candidate = results[policy_stage(config.shape)]
+                production = production_policy.with_options(**persisted)(candidate, artifact_root=root)
+                if production is not None:
+                    inputs["production_pretrain"] = production
+            results[stage] = run(stage, config.section(stage), inputs, pipeline=config.name, artifact_root=root)
+        policy = results[policy_stage(config.shape)]
+        decision = promote.with_options(**persisted)(policy, results["evaluate"], config.gate, artifact_root=root,
+                                                      production=production)
+        evaluation_report = publish_report.with_options(**persisted)(results["evaluate"], policy, artifact_root=root)
 
-    stages = {"sft": sft, "reward_model": reward_model, "rl": policy, "evaluate": report}
-    return PipelineResult(artifact_root=root, stages=stages, promotion=decision, report=evaluation_report)
+    unchanged = all(result.reused for result in results.values())
+    if unchanged:
+        logger.info("nothing changed (config, data, code): every stage reused its committed artifact, "
+                    "no Ray job was submitted")
+    return PipelineResult(artifact_root=root, shape=config.shape, stages=results, promotion=decision,
+                          report=evaluation_report, unchanged=unchanged)

@@ -14,9 +14,12 @@ from tasks.run_stage import StageResult
 
 
 class PipelineResult(BaseModel):
-    """What one run produced: the committed artifact of every stage, the promotion decision and the report."""
+    """What one run produced: the committed artifact of every stage of its shape (each `reused` or trained), the
+    promotion decision with the numbers it was taken on, and the report."""
 
     artifact_root: str
+    shape: str
     stages: dict[str, StageResult]
     promotion: PromotionDecision
     report: ReportResult
+    unchanged: bool  # every stage was reused: no job ran

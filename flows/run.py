@@ -1,11 +1,13 @@
-"""The embedded default: run the full-rlhf flow in this process on one machine.
+"""The embedded default: run the full-rlhf flow in this process on one machine, plan it, or rehearse it.
 
     python -m flows.run --preset tiny [--artifact_root DIR]
+    python -m flows.run --preset llama3-8b --plan         # the preflight alone: seconds, no job
+    python -m flows.run --preset llama3-8b --rehearse     # the preset on CPU with tiny stand-ins (stages.rehearsal)
 
 Without PREFECT_API_URL, Prefect starts a temporary local server for the run (its database stays in
 PREFECT_HOME, so `prefect server start` shows the run afterwards). Without RLHF_RAY_ADDRESS, the flow starts
-a local Ray head and stops it at the end. With `tiny_assets_dir` in the preset (tiny does), the tiny model and
-datasets are built there first. Exits non-zero when the run fails.
+a local Ray head when a stage has to run and stops it at the end. With `tiny_assets_dir` in the preset (tiny
+does), the tiny model and datasets are built there first. Exits non-zero when the run (or the plan) fails.
 """
 
 from __future__ import annotations
@@ -13,41 +15,77 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
-from prefect.settings import PREFECT_HOME
-
-from flows.full_rlhf import full_rlhf
 from flows.results import PipelineResult
 from infra.settings import get_settings
-from stages.config import ConfigError, load_pipeline_config, preset_names
+from stages.config import ConfigError, PipelineConfig, load_pipeline_config, preset_names
+
+DEFAULT_REHEARSAL_ROOT = "./artifacts/rehearsal"
 
 
 def metrics_table(result: PipelineResult) -> str:
-    """One row per stage: version, digest and its metrics."""
-    lines = [f"{'stage':<13} {'version':<8} {'digest':<13} metrics"]
+    """One row per stage: version, whether it was reused, digest and its metrics."""
+    lines = [f"{'stage':<13} {'version':<8} {'':<7} {'digest':<13} metrics"]
     for stage, artifact in result.stages.items():
         metrics = ", ".join(
             f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
             for name, value in sorted(artifact.metrics.items())
         )
-        lines.append(f"{stage:<13} v{artifact.version:<7} {artifact.digest[:12]:<13} {metrics}")
+        reused = "reused" if artifact.reused else "trained" if stage != "evaluate" else "ran"
+        lines.append(f"{stage:<13} v{artifact.version:<7} {reused:<7} {artifact.digest[:12]:<13} {metrics}")
     return "\n".join(lines)
 
 
+def plan(config: PipelineConfig) -> int:
+    """Print the preflight plan of `config`; 0 when it found no problem."""
+    from tasks.preflight import build_plan
+    from flows.full_rlhf import artifact_root_for
+
+    settings = get_settings()
+    result = build_plan(config, settings, settings.ray_address, artifact_root=artifact_root_for(config, settings),
+                        log=lambda message: print(message, file=sys.stderr))
+    print(result.render())
+    return 1 if result.problems else 0
+
+
+def rehearsal_config(config: PipelineConfig, root: Path) -> PipelineConfig:
+    """The rehearsal of `config` under `root` (stand-ins, fixtures, artifacts), its swap table printed."""
+    from stages.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
+
+    stand_ins = build_stand_ins(root / "stand-ins")
+    rehearsed, swaps = rehearse_pipeline(config, stand_ins, str(root / "artifacts"))
+    print(f"rehearsal of {config.name} ({config.shape}) on CPU: the preset's settings, but for these swaps\n")
+    print(swap_table(swaps) + "\n")
+    # The rehearsal's store beats any RLHF_ARTIFACT_ROOT of this environment (a worker pinned to a bucket).
+    os.environ["RLHF_ARTIFACT_ROOT"] = rehearsed.artifact_root
+    return rehearsed
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the full-rlhf flow in-process (local Prefect, local Ray).")
+    parser = argparse.ArgumentParser(description="Run, plan or rehearse the full-rlhf flow in-process (local "
+                                     "Prefect, local Ray).")  # fmt: skip
     parser.add_argument("--preset", default="tiny", help=f"preset name ({', '.join(preset_names())}) or YAML path")
     parser.add_argument(
         "--artifact_root",
         help="artifact store root (path, file:// or s3://); default: the preset's. A local one also holds the "
-        "tiny assets (<root>/tiny-assets) when the preset builds them",
+        f"tiny assets (<root>/tiny-assets) when the preset builds them. With --rehearse: the rehearsal's folder "
+        f"(default {DEFAULT_REHEARSAL_ROOT})",
     )
+    parser.add_argument("--plan", action="store_true",
+                        help="print the preflight plan (stage graph, commands, Ray resources, reuse, data schemas) "
+                        "and exit: non-zero when it finds a problem; starts no job")  # fmt: skip
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run the preset on this CPU machine with tiny stand-ins: its settings kept but for the "
+                        "swaps printed first (with --plan: plan the rehearsal)")  # fmt: skip
     args = parser.parse_args(argv)
 
     try:
         config = load_pipeline_config(args.preset)
-        if args.artifact_root:
+        if args.rehearse:
+            config = rehearsal_config(config, Path(args.artifact_root or DEFAULT_REHEARSAL_ROOT).expanduser().resolve())
+        elif args.artifact_root:
             os.environ["RLHF_ARTIFACT_ROOT"] = args.artifact_root  # the flag beats the environment
             overrides = {"artifact_root": args.artifact_root}
             if config.tiny_assets_dir is not None and "://" not in args.artifact_root:
@@ -56,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
             config = load_pipeline_config(args.preset, overrides)
     except ConfigError as error:
         parser.error(str(error))
+    if args.plan:
+        return plan(config)
 
+    from prefect.settings import PREFECT_HOME
+
+    from flows.full_rlhf import full_rlhf
+
+    started = time.monotonic()
     state = full_rlhf(config, return_state=True)
     flow_run_id = state.state_details.flow_run_id
     api = os.environ.get("PREFECT_API_URL") or f"the temporary server; database in {PREFECT_HOME.value()}"
@@ -66,10 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result: PipelineResult = state.result()
     print(f"artifacts: {result.artifact_root}/{config.name}   workspaces: {get_settings().workspace_root}")
+    if result.unchanged:
+        print("nothing changed since the last run (config, data, code): every stage reused, no Ray job submitted")
     verdict = "promoted to production" if result.promotion.promoted else "NOT promoted"
-    print(f"policy rl v{result.promotion.version}: {verdict} ({'; '.join(result.promotion.reasons)})")
+    print(f"policy {result.promotion.stage} v{result.promotion.version}: {verdict}")
+    print("\n".join(f"  {line}" for line in result.promotion.reasons))
     print(f"evaluation report: {result.report.uri}/report.md\n")
     print(metrics_table(result))
+    if args.rehearse:
+        print(f"\nrehearsal of {config.name} completed in {time.monotonic() - started:.0f} s")
     return 0
 
 

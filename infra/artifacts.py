@@ -72,6 +72,14 @@ class InputRef(BaseModel):
     digest: str
 
 
+class DatasetRef(BaseModel):
+    """A dataset a stage read: its source as configured and a fingerprint of its content
+    (stages/fingerprint.py)."""
+
+    source: str
+    fingerprint: str
+
+
 class FileEntry(BaseModel):
     size: int
     sha256: str
@@ -89,6 +97,7 @@ class Manifest(BaseModel):
     config: dict[str, Any]
     config_hash: str
     inputs: dict[str, InputRef] = {}
+    datasets: dict[str, DatasetRef] = {}
     code_version: str = ""
     files: dict[str, FileEntry]
     metrics: dict[str, float | int | str] = {}
@@ -295,6 +304,7 @@ class ArtifactStore:
         *,
         config: dict,
         inputs: dict[str, InputRef] | None = None,
+        datasets: dict[str, DatasetRef] | None = None,
         code_version: str = "",
         metrics: dict | None = None,
         stage_key: str | None = None,
@@ -306,7 +316,8 @@ class ArtifactStore:
         try:  # validate everything before uploading, so a bad field never costs a version number
             draft = Manifest(
                 pipeline=self.pipeline, stage=stage, version=0, uri="", created_at="", stage_key=stage_key,
-                config=config, config_hash=config_hash(config), inputs=inputs or {}, code_version=code_version,
+                config=config, config_hash=config_hash(config), inputs=inputs or {}, datasets=datasets or {},
+                code_version=code_version,
                 files=files, metrics=read_metrics(source) if metrics is None else metrics,
                 digest=files_digest(files),
             )
@@ -439,7 +450,8 @@ class ArtifactStore:
             self.log(f"artifact store: clean-up of {stage} leftovers failed: {error}")
 
     def set_alias(self, stage: str, alias: str, version: int) -> None:
-        """Point ``alias`` (e.g. "production") at a committed version; the pointer file moves atomically."""
+        """Point ``alias`` (e.g. "production") at a committed version; the pointer file moves atomically and
+        remembers the version it pointed at before (``previous``), so a promotion can be traced back."""
         _check_name("alias", alias)
         if _VERSION_REF.match(alias):
             raise ArtifactError(f"invalid alias name {alias!r}: it reads as a version")
@@ -447,8 +459,29 @@ class ArtifactStore:
             target = self._uri(self._version_path(stage, version))
             raise ArtifactError(f"cannot point alias {alias!r} at {target}: not a committed version")
         stage_path = self._stage_path(stage)
-        pointer = {"alias": alias, "version": version, "updated_at": datetime.now(timezone.utc).isoformat()}
+        current = self.alias_record(stage, alias)
+        if current is None:
+            previous = None
+        else:
+            previous = current["version"] if current["version"] != version else current.get("previous")
+        pointer = {"alias": alias, "version": version, "previous": previous,
+                   "updated_at": datetime.now(timezone.utc).isoformat()}
         self._write_atomic(stage_path, f"{stage_path}/aliases/{alias}.json", json.dumps(pointer))
+
+    def alias_record(self, stage: str, alias: str) -> dict | None:
+        """The pointer file of ``alias`` ({"alias", "version", "previous", "updated_at"}), or None when unset."""
+        path = f"{self._stage_path(stage)}/aliases/{_check_name('alias', alias)}.json"
+        self.fs.invalidate_cache()
+        try:
+            raw = self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(raw)
+            record["version"] = int(record["version"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{self._uri(path)}: invalid alias pointer ({e})") from e
+        return record
 
     # ---- reading -----------------------------------------------------------------------------------------
     def _numbers_in(self, pattern: str) -> list[int]:

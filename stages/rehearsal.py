@@ -1,23 +1,29 @@
-"""A preset's stage config rehearsed on a CPU machine: every setting kept except a list of swaps derived from it.
+"""A preset rehearsed on a CPU machine: every setting kept except a list of swaps derived from it.
 
-The swaps, each with its reason (they are what a GPU cluster has and this machine has not):
-- models (hub ids, paths) -> the tiny toolkit's model at the same position in the pipeline (base, SFT, reward);
-- datasets -> tiny fixtures with the config's own column names and shapes (chat messages where the config
-  applies a chat template);
-- `device` cuda -> cpu, `flash_attn` off (no CPU kernels), `vllm_sync_backend` nccl -> gloo;
-- ranks: every `*num_gpus_per_node` down to at most 2 CPU ranks, `*num_nodes` to 1, one rollout engine without
-  tensor parallelism;
+`rehearse_pipeline` applies the same rules to every stage of the preset's shape (`rehearse_stage` to one stage's
+values). The swaps, each with its reason (what a GPU cluster has and this machine has not):
+- models the config names (hub ids, paths) -> the tiny toolkit's model in the same role: a model to fine-tune, a
+  fine-tuned policy (actor, reference, production), or a scorer (reward model, critic, with the normalisation
+  statistics a trained reward model carries); a model an earlier stage of the pipeline feeds is not swapped;
+- datasets -> tiny fixtures in the config's own format (its column names; chat messages where it applies a chat
+  template; whole conversations where preference data has no prompt column; KTO's label column);
+- `device` -> cpu, `flash_attn` off (no CPU kernels), `vllm_sync_backend` nccl -> gloo, one rollout engine
+  without tensor parallelism;
+- ranks: every `*num_gpus_per_node` down to at most 2 CPU ranks, `*num_nodes` to 1;
 - lengths down to what the tiny model holds (128 positions);
 - batch sizes down with their ratios kept: gradient accumulation steps (train / (micro x ranks)) and optimizer
   steps per rollout (rollout samples / train batch);
-- data capped so that each stage runs two optimizer steps (RL: two rollouts).
-Everything else (ZeRO stage, bf16, colocation, sleep flags, estimator, KL, packing, learning rates ...) is kept,
-so a preset that cannot run fails here, on CPU, in minutes.
+- steps capped: one epoch and data for REHEARSAL_STEPS optimizer steps per training stage (RL: rollouts), the
+  evaluation on EVAL_PROMPTS prompts;
+- the pipeline's artifact root -> a rehearsal folder, so that a rehearsal never writes into the preset's store.
+Everything else (shape, gate, ZeRO stage, bf16, gradient checkpointing, colocation, sleep flags, estimator, KL,
+packing, learning rates, reward functions ...) is kept, so a preset that cannot run fails here, on CPU, in minutes.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +32,22 @@ MAX_RANKS = 2
 PROMPT_MAX_LEN = 48  # the tiny model has 128 positions; the task's prompts are under 40 tokens
 GENERATE_MAX_LEN = 8
 REHEARSAL_STEPS = 2
+EVAL_PROMPTS = 16
+OFFLINE_STAGES = ("sft", "reward_model", "dpo", "kto")
+# Which stand-in takes the place of a model field: "base" (a model to fine-tune), "policy" (a fine-tuned policy),
+# "scorer" (a value-head model). `pretrain` depends on the stage.
+PRETRAIN_ROLES = {"sft": "base", "reward_model": "base", "dpo": "policy", "kto": "policy", "rl": "policy",
+                  "evaluate": "policy"}
+MODEL_ROLES = {"ref_pretrain": "policy", "production_pretrain": "policy", "reward_pretrain": "scorer",
+               "critic_pretrain": "scorer"}
+DATA_FIELDS = ("dataset", "eval_dataset", "prompt_data")
+# The tiny rows (stages.tiny.DATASET_FILES) that each stage's fixtures are made of.
+ROW_KINDS = {"sft": "sft", "reward_model": "pref", "dpo": "pref", "kto": "kto", "rl": "prompts", "evaluate": "prompts"}
 
 
 @dataclass(frozen=True)
 class Swap:
+    stage: str
     field: str
     before: Any
     after: Any
@@ -38,44 +56,87 @@ class Swap:
 
 @dataclass(frozen=True)
 class StandIns:
-    """Tiny models and task rows that take the place of the real ones."""
+    """Tiny models and the tiny task's datasets that take the place of the real ones."""
 
-    base_model: str
-    sft_model: str
-    reward_model: str
-    prompts: list[dict]  # {"prompt": str, "label": str}
-    fixtures_dir: Path
+    base_model: str  # for a model to fine-tune (SFT's start, a reward model's start)
+    policy_model: str  # for a fine-tuned policy (RL's actor, references, the production policy)
+    reward_model: str  # for a reward model or a critic
+    data_dir: Path  # the tiny task's jsonl files (stages.tiny.DATASET_FILES)
+    fixtures_dir: Path  # where fixtures in the preset's formats are written
+
+    def model(self, role: str) -> str:
+        return {"base": self.base_model, "policy": self.policy_model, "scorer": self.reward_model}[role]
 
 
-def _ranks_swaps(values: dict) -> list[Swap]:
+def build_stand_ins(directory: Path) -> StandIns:
+    """The tiny model and datasets under `directory`, and a scorer stand-in: the tiny model with the reward
+    normalisation statistics (mean 0, std 1) that a reward model of stages.reward_model carries."""
+    from stages import tiny
+
+    assets = tiny.build_tiny_assets(directory / "tiny-assets")
+    scorer = directory / "scorer"
+    if not (scorer / "config.json").exists():
+        shutil.copytree(assets["model"], scorer, dirs_exist_ok=True)
+        config = json.loads((scorer / "config.json").read_text())
+        (scorer / "config.json").write_text(json.dumps({**config, "reward_mean": 0.0, "reward_std": 1.0}, indent=2))
+    return StandIns(base_model=str(assets["model"]), policy_model=str(assets["model"]), reward_model=str(scorer),
+                    data_dir=assets["sft_train"].parent, fixtures_dir=directory / "fixtures")
+
+
+# ---------------------------------------------------------------------------------------------- rules
+
+def _device_swaps(values: dict) -> list[tuple[str, Any, str]]:
+    swaps = []
+    if values.get("device") != "cpu":
+        swaps.append(("device", "cpu", "no GPU: ranks run on CPU cores"))
+    if values.get("flash_attn"):
+        swaps.append(("flash_attn", False, "FlashAttention-2 has no CPU kernels"))
+    if values.get("vllm_sync_backend") == "nccl":
+        swaps.append(("vllm_sync_backend", "gloo", "NCCL needs GPUs"))
+    if values.get("vllm_tensor_parallel_size", 1) > 1:
+        swaps.append(("vllm_tensor_parallel_size", 1, "tensor parallelism needs GPUs"))
+    if values.get("vllm_num_engines", 1) > 1:
+        swaps.append(("vllm_num_engines", 1, "one engine on two cores"))
+    return swaps
+
+
+def _rank_swaps(values: dict) -> list[tuple[str, Any, str]]:
     swaps = []
     for name, value in values.items():
         if name.endswith("num_gpus_per_node") and value > MAX_RANKS:
-            swaps.append(Swap(name, value, MAX_RANKS, f"{MAX_RANKS} CPU ranks stand in for the GPUs of a node"))
+            swaps.append((name, MAX_RANKS, f"{MAX_RANKS} CPU ranks stand in for the GPUs of a node"))
         elif name.endswith("num_nodes") and value > 1:
-            swaps.append(Swap(name, value, 1, "one machine"))
+            swaps.append((name, 1, "one machine"))
     return swaps
 
 
-def _device_swaps(values: dict) -> list[Swap]:
-    swaps = []
-    if values.get("device") != "cpu":
-        swaps.append(Swap("device", values.get("device"), "cpu", "no GPU: ranks run on CPU cores"))
-    if values.get("flash_attn"):
-        swaps.append(Swap("flash_attn", True, False, "FlashAttention-2 has no CPU kernels"))
-    if values.get("vllm_sync_backend") == "nccl":
-        swaps.append(Swap("vllm_sync_backend", "nccl", "gloo", "NCCL needs GPUs"))
-    if values.get("vllm_tensor_parallel_size", 1) > 1:
-        swaps.append(Swap("vllm_tensor_parallel_size", values["vllm_tensor_parallel_size"], 1,
-                          "tensor parallelism needs GPUs"))
-    if values.get("vllm_num_engines", 1) > 1:
-        swaps.append(Swap("vllm_num_engines", values["vllm_num_engines"], 1, "one engine on two cores"))
-    return swaps
+def _length_swaps(values: dict) -> list[tuple[str, Any, str]]:
+    limits = {"prompt_max_len": PROMPT_MAX_LEN, "generate_max_len": GENERATE_MAX_LEN,
+              "max_len": PROMPT_MAX_LEN + GENERATE_MAX_LEN}
+    return [(k, limit, "the tiny model holds 128 positions") for k, limit in limits.items()
+            if values.get(k) is not None and values[k] > limit]
 
 
-def _rl_batch_swaps(values: dict, ranks: int) -> list[Swap]:
+def ranks_of(values: dict, role: str) -> int:
+    return values[f"{role}_num_nodes"] * values[f"{role}_num_gpus_per_node"]
+
+
+def _offline_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
+    """Smaller batches with the same gradient accumulation; data for REHEARSAL_STEPS steps of one epoch."""
+    ranks = values["num_nodes"] * values["num_gpus_per_node"]
+    accumulation = max(1, values["train_batch_size"] // (values["micro_train_batch_size"] * ranks))
+    train = min(ranks, MAX_RANKS) * accumulation
+    new = {"micro_train_batch_size": (1, "memory of a CPU rank"),
+           "train_batch_size": (train, f"same gradient accumulation ({accumulation} micro-batches per rank and step)"),
+           "max_epochs": (1, f"{REHEARSAL_STEPS} steps"),
+           "max_samples": (train * REHEARSAL_STEPS, f"{REHEARSAL_STEPS} steps")}
+    return [(k, v, why) for k, (v, why) in new.items() if values[k] != v]
+
+
+def _rl_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
     """Smaller RL batches with the same gradient accumulation and optimizer steps per rollout."""
     n = values["n_samples_per_prompt"]
+    ranks = min(ranks_of(values, "actor"), MAX_RANKS)
     accumulation = values["train_batch_size"] // (values["micro_train_batch_size"] * ranks_of(values, "actor"))
     steps_per_rollout = values["rollout_batch_size"] * n // values["train_batch_size"]
     micro = 1
@@ -83,69 +144,114 @@ def _rl_batch_swaps(values: dict, ranks: int) -> list[Swap]:
     rollout = max(1, -(-train * steps_per_rollout // n))
     while rollout * n % train:  # whole optimizer steps per rollout
         rollout += 1
-    new = {"micro_train_batch_size": micro, "train_batch_size": train, "rollout_batch_size": rollout,
-           "micro_rollout_batch_size": min(values["micro_rollout_batch_size"], 4),
-           "max_samples": rollout * REHEARSAL_STEPS, "num_episodes": 1}
-    why = {"micro_train_batch_size": "memory of a CPU rank",
-           "train_batch_size": f"same gradient accumulation ({accumulation} micro-batches per rank and step)",
-           "rollout_batch_size": f"same optimizer steps per rollout ({steps_per_rollout})",
-           "micro_rollout_batch_size": "memory of a CPU rank",
-           "max_samples": f"{REHEARSAL_STEPS} rollouts", "num_episodes": f"{REHEARSAL_STEPS} rollouts"}
-    return [Swap(k, values[k], v, why[k]) for k, v in new.items() if values[k] != v]
+    new = {"micro_train_batch_size": (micro, "memory of a CPU rank"),
+           "train_batch_size": (train, f"same gradient accumulation ({accumulation} micro-batches per rank and step)"),
+           "rollout_batch_size": (rollout, f"same optimizer steps per rollout ({steps_per_rollout})"),
+           "micro_rollout_batch_size": (min(values["micro_rollout_batch_size"], 4), "memory of a CPU rank"),
+           "max_samples": (rollout * REHEARSAL_STEPS, f"{REHEARSAL_STEPS} rollouts"),
+           "num_episodes": (1, f"{REHEARSAL_STEPS} rollouts")}
+    return [(k, v, why) for k, (v, why) in new.items() if values[k] != v]
 
 
-def ranks_of(values: dict, role: str) -> int:
-    return values[f"{role}_num_nodes"] * values[f"{role}_num_gpus_per_node"]
+def _evaluate_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
+    new = {"max_samples": (EVAL_PROMPTS, f"{EVAL_PROMPTS} held-out prompts"),
+           "micro_rollout_batch_size": (min(values["micro_rollout_batch_size"], 4), "memory of a CPU rank")}
+    return [(k, v, why) for k, (v, why) in new.items() if values[k] != v]
 
 
-def _length_swaps(values: dict) -> list[Swap]:
-    limits = {"prompt_max_len": PROMPT_MAX_LEN, "generate_max_len": GENERATE_MAX_LEN,
-              "max_len": PROMPT_MAX_LEN + GENERATE_MAX_LEN}
-    return [Swap(k, values[k], limit, "the tiny model holds 128 positions") for k, limit in limits.items()
-            if values.get(k) is not None and values[k] > limit]
+BATCH_RULES = {**{stage: _offline_batch_swaps for stage in OFFLINE_STAGES}, "rl": _rl_batch_swaps,
+               "evaluate": _evaluate_batch_swaps}
 
 
-def write_prompt_fixture(path: Path, rows: list[dict], input_key: str, label_key: str | None,
-                         as_messages: bool) -> str:
-    """Prompt rows under the config's column names: chat messages when the config applies a chat template."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for row in rows:
-            record = {input_key: [{"role": "user", "content": row["prompt"]}] if as_messages else row["prompt"]}
-            if label_key:
-                record[label_key] = row["label"]
-            out.write(json.dumps(record) + "\n")
-    return str(path)
+def _model_swaps(stage: str, values: dict, stand_ins: StandIns, wired: set[str]) -> list[tuple[str, Any, str]]:
+    roles = {"pretrain": PRETRAIN_ROLES[stage], **MODEL_ROLES}
+    return [(field, stand_ins.model(role), f"the tiny model as the {role} model") for field, role in roles.items()
+            if field in values and values[field] and field not in wired]
 
 
-def rehearse_rl(values: dict, stand_ins: StandIns) -> tuple[dict, list[Swap]]:
-    """The RL stage's config values for a CPU rehearsal, and the swaps made."""
-    ranks = min(ranks_of(values, "actor"), MAX_RANKS)
-    swaps = _device_swaps(values) + _ranks_swaps(values) + _length_swaps(values) + _rl_batch_swaps(values, ranks)
-    models = {"pretrain": stand_ins.sft_model, "ref_pretrain": stand_ins.sft_model,
-              "reward_pretrain": stand_ins.reward_model, "critic_pretrain": stand_ins.reward_model}
-    for name, stand_in in models.items():
-        if values.get(name):
-            swaps.append(Swap(name, values[name], stand_in, "the tiny model in the same role"))
-    fixtures = {"prompt_data": "prompts", "eval_dataset": "eval_prompts"}
-    for name, fixture in fixtures.items():
-        if values.get(name) or name == "prompt_data":  # a command without prompts (the seed's) gets them here
-            path = write_prompt_fixture(stand_ins.fixtures_dir / f"{fixture}.jsonl", stand_ins.prompts,
-                                        values["input_key"], values.get("label_key"), values["apply_chat_template"])
-            swaps.append(Swap(name, values[name], path, f"tiny prompts in the same format (column "
-                                                         f"{values['input_key']!r})"))
-    rehearsed = dict(values)
-    rehearsed.update({swap.field: swap.after for swap in swaps})
-    return rehearsed, swaps
+# ---------------------------------------------------------------------------------------------- fixtures
+
+def _rows(stand_ins: StandIns, kind: str, split: str) -> list[dict]:
+    return [json.loads(line) for line in (stand_ins.data_dir / f"{kind}_{split}.jsonl").read_text().splitlines()]
 
 
-def swap_table(stage: str, swaps: list[Swap]) -> str:
-    lines = [f"{'stage':<13} {'field':<28} {'preset':<42} {'rehearsal':<34} why"]
+def _chat(text: str, as_messages: bool) -> str | list[dict]:
+    return [{"role": "user", "content": text}] if as_messages else text
+
+
+def fixture_rows(stage: str, values: dict, rows: list[dict]) -> list[dict]:
+    """Tiny rows under the stage config's column names and in its format."""
+    chat = bool(values.get("apply_chat_template"))
+    kind = ROW_KINDS[stage]
+    if kind == "prompts":
+        return [{values["input_key"]: _chat(r["prompt"], chat),
+                 **({values["label_key"]: r["label"]} if values.get("label_key") else {})} for r in rows]
+    if kind == "sft":
+        return [{values["input_key"]: _chat(r["prompt"], chat), values["output_key"]: r["response"]} for r in rows]
+    if kind == "kto":
+        return [{values["input_key"]: _chat(r["prompt"], chat), values["output_key"]: r["response"],
+                 values["label_key"]: r["label"]} for r in rows]
+    if values.get("prompt_key") is None:  # whole conversations in chosen and rejected
+        def conversation(prompt, answer):
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+        return [{values["chosen_key"]: conversation(r["prompt"], r["chosen"]),
+                 values["rejected_key"]: conversation(r["prompt"], r["rejected"])} for r in rows]
+    return [{values["prompt_key"]: _chat(r["prompt"], chat), values["chosen_key"]: r["chosen"],
+             values["rejected_key"]: r["rejected"]} for r in rows]
+
+
+def _data_swaps(stage: str, values: dict, stand_ins: StandIns) -> list[tuple[str, Any, str]]:
+    swaps = []
+    for field in DATA_FIELDS:
+        # A command without prompts (the seed's RL commands) gets them too.
+        if field not in values or not (values[field] or (stage, field) == ("rl", "prompt_data")):
+            continue
+        split = "eval" if field == "eval_dataset" or stage == "evaluate" else "train"  # held-out rows to evaluate
+        path = stand_ins.fixtures_dir / f"{stage}_{field}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = fixture_rows(stage, values, _rows(stand_ins, ROW_KINDS[stage], split))
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        columns = ", ".join(repr(column) for column in rows[0])
+        swaps.append((field, str(path), f"tiny {ROW_KINDS[stage]} rows in the same format (columns {columns})"))
+    return swaps
+
+
+# ---------------------------------------------------------------------------------------------- rehearsals
+
+def rehearse_stage(stage: str, values: dict, stand_ins: StandIns, wired: set[str] = frozenset()
+                   ) -> tuple[dict, list[Swap]]:  # fmt: skip
+    """A stage's config values for a CPU rehearsal, and the swaps made. `wired`: fields an earlier stage of the
+    pipeline feeds (not swapped)."""
+    changes = (_device_swaps(values) + _rank_swaps(values) + _length_swaps(values) + BATCH_RULES[stage](values)
+               + _model_swaps(stage, values, stand_ins, wired) + _data_swaps(stage, values, stand_ins))
+    swaps = [Swap(stage, field, values.get(field), after, why) for field, after, why in changes]
+    return {**values, **{swap.field: swap.after for swap in swaps}}, swaps
+
+
+def rehearse_pipeline(config, stand_ins: StandIns, artifact_root: str):
+    """(the rehearsal's PipelineConfig, the swaps) of a PipelineConfig: every stage of its shape rehearsed."""
+    from stages.config import shape_inputs, validate_pipeline
+
+    wiring = shape_inputs(config.shape)
+    data = config.model_dump(mode="json")
+    swaps = [Swap("pipeline", "artifact_root", config.artifact_root, artifact_root,
+                  "a rehearsal never writes into the preset's store")]
+    data["artifact_root"] = artifact_root
+    for stage in config.stages:
+        data[stage], stage_swaps = rehearse_stage(stage, data[stage], stand_ins, set(wiring[stage]))
+        swaps += stage_swaps
+    return validate_pipeline(data, f"rehearsal of {config.name}"), swaps
+
+
+def swap_table(swaps: list[Swap]) -> str:
+    lines = [f"{'stage':<13} {'field':<26} {'preset':<42} {'rehearsal':<36} why"]
     for swap in swaps:
-        lines.append(f"{stage:<13} {swap.field:<28} {_short(swap.before):<42} {_short(swap.after):<34} {swap.why}")
+        lines.append(f"{swap.stage:<13} {swap.field:<26} {_short(swap.before):<42} {_short(swap.after, 36):<36} "
+                     f"{swap.why}")
     return "\n".join(lines)
 
 
-def _short(value: Any, width: int = 40) -> str:
+def _short(value: Any, width: int = 42) -> str:
     text = str(value)
     return text if len(text) <= width else "..." + text[-(width - 3):]

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from stages.config import TINY_ASSET_FIELDS, PipelineConfig, shape_inputs
 
-from stages.config import PipelineConfig
-
-# (stage, field) <- tiny asset, for fields the config leaves unset. Later stages' models come from artifacts.
-TINY_ASSET_FIELDS = {
-    ("sft", "pretrain"): "model",
-    ("sft", "dataset"): "sft_train",
-    ("sft", "eval_dataset"): "sft_eval",
-    ("reward_model", "dataset"): "pref_train",
-    ("reward_model", "eval_dataset"): "pref_eval",
-    ("rl", "prompt_data"): "prompts_train",
-    ("evaluate", "prompt_data"): "prompts_eval",
-}
 # Fields that may name a local path; Ray jobs run elsewhere, so relative paths are made absolute here.
-PATH_FIELDS = ("pretrain", "ref_pretrain", "reward_pretrain", "dataset", "eval_dataset", "prompt_data", "remote_rm_url")
-STAGES = ("sft", "reward_model", "rl", "evaluate")
+PATH_FIELDS = ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain", "production_pretrain", "dataset",
+               "eval_dataset", "prompt_data", "remote_rm_url")
 
 
 def _absolute_if_local(value: str | None) -> str | None:
@@ -29,26 +18,28 @@ def _absolute_if_local(value: str | None) -> str | None:
     return str(Path(value).expanduser().resolve())
 
 
-@task(name="prepare-config", persist_result=True)
-def prepare_config(config: PipelineConfig) -> PipelineConfig:
-    """Build the tiny assets when `tiny_assets_dir` is set and use them for unset model/data fields (and the
-    tiny task's rule reward for evaluation accuracy); make local paths absolute."""
-    logger = get_run_logger()
-    sections = {stage: getattr(config, stage).model_dump() for stage in STAGES}
+def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> PipelineConfig:
+    """With `tiny_assets_dir`, build the tiny assets and use them for the fields of the shape's stages that the
+    config leaves unset and no stage feeds (TINY_ASSET_FIELDS); make local paths absolute."""
+    wiring = shape_inputs(config.shape)
+    sections = {stage: config.section(stage).model_dump() for stage in config.stages}
     if config.tiny_assets_dir is not None:
         from stages import tiny
 
         assets_dir = Path(config.tiny_assets_dir).expanduser().resolve()
-        assets = tiny.build_tiny_assets(assets_dir)
-        logger.info(f"tiny assets in {assets_dir}")
+        assets = {**tiny.build_tiny_assets(assets_dir), "rule_reward": Path(tiny.__file__).with_name("tiny_reward.py")}
+        log(f"tiny assets in {assets_dir}")
         for (stage, field), asset in TINY_ASSET_FIELDS.items():
-            if sections[stage][field] is None:
+            if stage not in sections or field in wiring[stage] or sections[stage][field] is not None:
+                continue
+            rewarded_by_model = sections[stage].get("reward_pretrain") is not None or "reward_pretrain" in wiring[stage]
+            if stage == "rl" and field == "remote_rm_url" and rewarded_by_model:
+                continue  # RL takes one reward source; evaluation scores with both (accuracy and reward_mean)
+            if asset in assets:
                 sections[stage][field] = str(assets[asset])
-        if sections["evaluate"]["remote_rm_url"] is None:  # the rule reward gives evaluation its accuracy
-            sections["evaluate"]["remote_rm_url"] = str(Path(tiny.__file__).with_name("tiny_reward.py"))
     for section in sections.values():
         for field in PATH_FIELDS:
             if field in section:
                 section[field] = _absolute_if_local(section[field])
-    return config.model_copy(update={stage: type(getattr(config, stage)).model_validate(s)
-                                     for stage, s in sections.items()})
+    return config.model_copy(update={stage: type(config.section(stage)).model_validate(values)
+                                     for stage, values in sections.items()})

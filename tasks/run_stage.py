@@ -1,13 +1,16 @@
 """The Prefect task that runs one pipeline stage as a Ray job and commits its output as an artifact.
 
-One call: resolve the stage config (input artifact URIs go into its fields), derive the stage key, return the
-committed artifact if one with that key exists, else submit (or re-attach to) the Ray job
+One call: resolve the stage config (each input artifact's URI goes into the config field it feeds), derive the
+stage key, return the committed artifact if one with that key exists, else submit (or re-attach to) the Ray job
 `python -m stages.<stage> --config <workspace>/config.yaml --save_path <workspace>/output [--ckpt_path
 <workspace>/ckpt]`, stream its log into the Prefect log (secrets redacted, step lines moving a progress
 artifact), watch it against a deadline, and commit `output/`.
 
-The workspace `<workspace_root>/<pipeline>/<stage>/<stage_key[:16]>/` depends only on the stage key, so
-every attempt of the same stage, in this flow run or a retried one, finds the checkpoints of the last.
+The stage key covers the stage config, the digests of its input artifacts, a fingerprint of the content of every
+dataset it reads (stages/fingerprint.py) and the code version: new data at the same path retrains the stage, and
+with it every stage after it; nothing changed, nothing runs. The workspace
+`<workspace_root>/<pipeline>/<stage>/<stage_key[:16]>/` depends only on the stage key, so every attempt of the same
+stage, in this flow run or a retried one, finds the checkpoints of the last.
 """
 
 from __future__ import annotations
@@ -26,21 +29,18 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from pydantic import BaseModel
 
-from infra.artifacts import InputRef, Manifest, open_store, read_metrics
+from infra.artifacts import DatasetRef, InputRef, Manifest, open_store, read_metrics
 from infra.ray_cluster import RayClusterError, job_client
 from infra.secrets import Redactor
 from infra.settings import PROJECT_ROOT, Settings, get_settings
+from stages.fingerprint import dataset_fingerprint
 from stages.launch import writer_lock_holder, writer_lock_path
 from tasks.progress import StageProgress
 
-# Input role (the key in `inputs`) -> config field that receives the input artifact's URI.
-INPUT_FIELDS = {
-    "base": "pretrain",  # reward_model starts from the SFT model
-    "actor": "pretrain",  # rl: the policy starts from the SFT model
-    "reward": "reward_pretrain",  # rl, evaluate: the reward model
-    "policy": "pretrain",  # evaluate: the trained policy
-    "reference": "ref_pretrain",  # evaluate: the SFT model it is compared with
-}
+# Config fields naming data a stage reads: their content is part of the stage key and listed in the manifest.
+DATA_FIELDS = ("dataset", "eval_dataset", "prompt_data")
+# A reward function given as a local Python file is read like data: a changed function retrains the stage too.
+REWARD_FUNCTION_FIELD = "remote_rm_url"
 # Config fields that the task sets itself and that must not change the stage key.
 WORKSPACE_FIELDS = ("save_path", "ckpt_path")
 # A stage exits with this code on a config or data error: retrying cannot help.
@@ -60,9 +60,10 @@ class StageResult(BaseModel):
     digest: str
     stage_key: str
     metrics: dict[str, float | int | str]
+    reused: bool = False  # found committed with this stage key: no job ran
 
     @classmethod
-    def from_manifest(cls, manifest: Manifest) -> StageResult:
+    def from_manifest(cls, manifest: Manifest, reused: bool = False) -> StageResult:
         return cls(
             pipeline=manifest.pipeline,
             stage=manifest.stage,
@@ -71,6 +72,7 @@ class StageResult(BaseModel):
             digest=manifest.digest,
             stage_key=manifest.stage_key or "",
             metrics=manifest.metrics,
+            reused=reused,
         )
 
 
@@ -120,17 +122,46 @@ def stage_code_version(settings: Settings) -> str:
     return settings.code_version or code_version(settings.stage_module_prefix, "infra")
 
 
-def stage_key(pipeline: str, stage: str, config: dict, input_digests: dict[str, str], code: str) -> str:
-    """Identity of a stage's work: same key, same output. Input URIs are left out, their digests count."""
-    keyed_config = {k: v for k, v in config.items() if k not in WORKSPACE_FIELDS}
-    for role in input_digests:
-        keyed_config.pop(INPUT_FIELDS[role], None)
+def stage_key(pipeline: str, stage: str, config: dict, input_digests: dict[str, str], code: str,
+              data: dict[str, str] | None = None) -> str:
+    """Identity of a stage's work: same key, same output. `input_digests` maps each config field fed by an input
+    artifact to its digest (its URI is left out, the digest counts); `data` maps each data field to its fingerprint."""
+    keyed_config = {k: v for k, v in config.items() if k not in WORKSPACE_FIELDS and k not in input_digests}
     payload = json.dumps(
-        {"pipeline": pipeline, "stage": stage, "config": keyed_config, "inputs": input_digests, "code": code},
+        {"pipeline": pipeline, "stage": stage, "config": keyed_config, "inputs": input_digests, "data": data or {},
+         "code": code},
         sort_keys=True,
         default=str,
     )
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def data_sources(config: dict) -> dict[str, str]:
+    """{field: source} of the data a resolved stage config reads (datasets, a local reward function file)."""
+    sources = {field: config[field] for field in DATA_FIELDS if config.get(field)}
+    reward = config.get(REWARD_FUNCTION_FIELD)
+    if isinstance(reward, str) and "://" not in reward and reward.endswith(".py"):
+        sources[REWARD_FUNCTION_FIELD] = reward
+    return sources
+
+
+class StageIdentity(BaseModel):
+    """A stage's resolved config, the fingerprints of the data it reads, and the key they make."""
+
+    key: str
+    config: dict[str, Any]
+    datasets: dict[str, DatasetRef]
+
+
+def stage_identity(pipeline: str, stage: str, config: BaseModel | dict, inputs: dict[str, StageResult],
+                   code: str) -> StageIdentity:  # fmt: skip
+    """Resolve `config` with `inputs` (config field -> upstream result) and fingerprint its data: the key."""
+    resolved = resolve_config(stage, config, inputs)
+    datasets = {field: DatasetRef(source=source, fingerprint=dataset_fingerprint(source))
+                for field, source in data_sources(resolved).items()}
+    key = stage_key(pipeline, stage, resolved, {field: r.digest for field, r in inputs.items()}, code,
+                    {field: ref.fingerprint for field, ref in datasets.items()})
+    return StageIdentity(key=key, config=resolved, datasets=datasets)
 
 
 def artifact_key(*parts: str) -> str:
@@ -139,12 +170,13 @@ def artifact_key(*parts: str) -> str:
 
 
 def resolve_config(stage: str, config: BaseModel | dict, inputs: dict[str, StageResult]) -> dict[str, Any]:
-    """The stage config as plain data, with each input artifact's URI in its field."""
+    """The stage config as plain data, with each input artifact's URI in the field it feeds."""
     resolved = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
-    for role, result in inputs.items():
-        if role not in INPUT_FIELDS:
-            raise ValueError(f"stage {stage!r}: unknown input role {role!r}; known roles: {sorted(INPUT_FIELDS)}")
-        resolved[INPUT_FIELDS[role]] = result.uri
+    known = type(config).model_fields if isinstance(config, BaseModel) else resolved
+    for field, result in inputs.items():
+        if field not in known:
+            raise ValueError(f"stage {stage!r}: input for unknown config field {field!r}")
+        resolved[field] = result.uri
     return resolved
 
 
@@ -275,20 +307,23 @@ def run_stage(
     artifact_root: str,
     deadline_s: float | None = None,
 ) -> StageResult:
-    """Run `stage` with `config` on `inputs` (role -> upstream result) as a Ray job; return its artifact."""
+    """Run `stage` with `config` on `inputs` (config field -> upstream result) as a Ray job; return its artifact."""
     settings = get_settings()
     logger = get_run_logger()
     redact = Redactor()
     inputs = inputs or {}
-    resolved = resolve_config(stage, config, inputs)
     code = stage_code_version(settings)
-    key = stage_key(pipeline, stage, resolved, {role: r.digest for role, r in inputs.items()}, code)
+    identity = stage_identity(pipeline, stage, config, inputs, code)
+    key, resolved = identity.key, identity.config
     store = open_store(artifact_root, pipeline, log=logger.warning)
 
     existing = store.find_by_stage_key(stage, key)
     if existing is not None:
-        logger.info(f"{stage}: reusing committed v{existing.version} ({existing.uri}); stage key {key[:16]}")
-        return StageResult.from_manifest(existing)
+        logger.info(f"{stage}: reusing committed v{existing.version} ({existing.uri}): config, inputs, data and "
+                    f"code unchanged (stage key {key[:16]})")
+        return StageResult.from_manifest(existing, reused=True)
+    for field, ref in identity.datasets.items():
+        logger.info(f"{stage}: {field} {ref.source} has fingerprint {ref.fingerprint}")
 
     workspace = settings.workspace_root / pipeline / stage / key[:16]
     output_dir, ckpt_dir = workspace / "output", workspace / "ckpt"
@@ -350,7 +385,8 @@ def run_stage(
         stage,
         output_dir,
         config=redact.data(resolved),
-        inputs={role: InputRef(uri=r.uri, digest=r.digest) for role, r in inputs.items()},
+        inputs={field: InputRef(uri=r.uri, digest=r.digest) for field, r in inputs.items()},
+        datasets=identity.datasets,
         code_version=code,
         metrics=redact.data(metrics),
         stage_key=key,

@@ -134,8 +134,13 @@ def test_aliases(store_root, tmp_path):
     assert store.aliases("rl") == {"latest": 3}
     store.set_alias("rl", "production", 2)
     assert store.get("rl", "production").version == 2
+    assert store.alias_record("rl", "production")["previous"] is None
     store.set_alias("rl", "production", 1)  # moving an alias replaces its pointer file
     assert store.get("rl", "production").version == 1
+    # The pointer remembers what it replaced (the gate compares with it), also when set to the same version again.
+    assert store.alias_record("rl", "production")["previous"] == 2
+    store.set_alias("rl", "production", 1)
+    assert store.alias_record("rl", "production")["previous"] == 2 and store.alias_record("rl", "staging") is None
     store.set_alias("rl", "latest", 2)  # an explicit latest overrides the derived one
     assert store.get("rl").version == 2
     assert store.aliases("rl") == {"latest": 2, "production": 1}

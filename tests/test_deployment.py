@@ -50,7 +50,7 @@ def prefect_yaml() -> dict:
 def test_deployment_parameters_are_the_presets():
     """Each deployment's config parameter is its preset verbatim; re-copy configs/<name>.yaml if this fails."""
     deployments = {d["name"]: d for d in prefect_yaml()["deployments"]}
-    assert set(deployments) == {"llama3-8b", "tiny"}
+    assert set(deployments) == {"llama3-8b", "llama3-8b-grpo", "tiny"}
     for name, deployment in deployments.items():
         preset = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
         assert deployment["parameters"]["config"] == preset, f"prefect.yaml {name}: differs from configs/{name}.yaml"

@@ -1,6 +1,8 @@
 """run_stage mechanics against a real Prefect server and a real local Ray head, with a stage that does no ML
 (tests/fake_stages/toy.py): idempotence, retry classification, resume, log streaming, deadline, re-attach,
-Prefect artifacts, progress, the workspace's single writer, secrets kept out of what the run writes."""
+Prefect artifacts, progress, the workspace's single writer, secrets kept out of what the run writes. Then the
+full-rlhf flow in every pipeline shape with toy stages (tests/fake_stages/pipeline_toy.py): which stage feeds which
+field, reuse across shapes and runs, and the gate against the production policy."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 from prefect.testing.utilities import prefect_test_harness
 from pydantic import BaseModel
 
+from flows.full_rlhf import full_rlhf
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import get_settings
+from stages.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
 from stages.launch import writer_lock, writer_lock_path
-from tasks.promote import PromotionGate, promote
+from tasks.promote import promote
 from tasks.run_stage import (
     StageConfigError,
     StageError,
@@ -149,10 +153,10 @@ def test_rerun_is_idempotent_and_inputs_reach_config_fields(env):
     assert again == first
     assert attempts_of(env, ToyConfig(value=1)) == ["SUCCEEDED"]  # no second job
 
-    downstream = run_toy(env, ToyConfig(value=2), inputs={"base": first}).result()
+    downstream = run_toy(env, ToyConfig(value=2), inputs={"pretrain": first}).result()
     manifest = open_store(env["root"], PIPELINE).get("toy", downstream.version)
     assert manifest.config["pretrain"] == first.uri
-    assert manifest.inputs["base"].digest == first.digest
+    assert manifest.inputs["pretrain"].digest == first.digest
 
 
 def test_config_error_is_not_retried_and_names_the_field(env):
@@ -298,4 +302,90 @@ def test_promote_moves_production_only_when_the_gate_passes(env):
     report = policy.model_copy(update={"stage": "evaluate", "metrics": good})
     decision = promote_flow(policy, report, PromotionGate(min_reward_gain=0.5), env["root"])
     assert decision.promoted and store.get("toy", "production").version == policy.version
-    assert not promote_flow(policy, report, PromotionGate(min_reward_gain=1.0), env["root"]).promoted
+    # Production stays where it is when its own policy no longer passes a stricter gate; the decision says so.
+    again = promote_flow(policy, report, PromotionGate(min_reward_gain=1.0), env["root"])
+    assert again.promoted and again.reasons[0].startswith("already production")
+    assert any(line.startswith("FAIL reward gain") for line in again.reasons)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline shapes
+
+# One artifact root for all: the with-SFT shapes share one SFT; "dpo" after "sft-dpo" meets a production policy.
+SHAPE_RUNS = ("sft-dpo", "dpo", "sft-kto", "kto", "sft-rl", "rl", "rm-rl", "sft-rm-rl")
+
+
+@pytest.fixture(scope="module")
+def shape_runs(prefect_server, ray_address, tmp_path_factory):
+    """The flow on the tiny preset in every shape, toy stages doing the work; then "dpo" once more, unchanged."""
+    tmp = tmp_path_factory.mktemp("shapes")
+    client = job_client(ray_address)
+    runs = {}
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"RLHF_RAY_ADDRESS": ray_address, "RLHF_RAY_AUTH_MODE": "disabled",
+                            "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"), "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages",
+                            "RLHF_POLL_INTERVAL_S": "0.3", "RLHF_MAX_RETRIES": "0"}.items():  # fmt: skip
+            env.setenv(name, value)
+        env.delenv("RLHF_ARTIFACT_ROOT", raising=False)
+        for run, shape in [*((shape, shape) for shape in SHAPE_RUNS), ("dpo again", "dpo")]:
+            config = load_pipeline_config("tiny", {"artifact_root": str(tmp / "artifacts"),
+                                                   "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape})
+            jobs_before = len(client.list_jobs())
+            state = full_rlhf(config, return_state=True)
+            runs[run] = {"state": state, "jobs": len(client.list_jobs()) - jobs_before,
+                         "production": open_store(str(tmp / "artifacts"), "tiny").aliases("dpo").get("production")}
+    return {"runs": runs, "root": str(tmp / "artifacts"), "model": str(tmp / "tiny-assets" / "model")}
+
+
+@pytest.mark.parametrize("shape", SHAPE_RUNS)
+def test_each_shape_runs_its_stages_fed_as_the_table_says(shape_runs, shape):
+    state = shape_runs["runs"][shape]["state"]
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert tuple(result.stages) == PIPELINE_SHAPES[shape] and result.shape == shape
+    store = open_store(shape_runs["root"], "tiny")
+    for stage, fed in shape_inputs(shape).items():
+        manifest = store.get(stage, result.stages[stage].version)
+        inputs = {field: ref.digest for field, ref in manifest.inputs.items() if field != "production_pretrain"}
+        assert inputs == {field: result.stages[producer].digest for field, producer in fed.items()}, stage
+        # A model no stage feeds comes from the config: here the tiny assets' model (an "instruct model").
+        if "pretrain" not in fed:
+            assert manifest.config["pretrain"] == shape_runs["model"], stage
+        assert manifest.datasets and all(ref.fingerprint.startswith("sha256:") for ref in manifest.datasets.values())
+    policy = result.stages[result.promotion.stage]
+    assert result.stages["evaluate"].metrics["accuracy"] == pytest.approx(policy.metrics["quality"] / 10)
+
+
+def test_shapes_share_committed_stages(shape_runs):
+    runs = shape_runs["runs"]
+    sft = {shape: runs[shape]["state"].result().stages["sft"] for shape in SHAPE_RUNS if shape.startswith("sft-")}
+    assert {result.version for result in sft.values()} == {1}  # one SFT, trained by the first, reused by the others
+    assert [shape for shape, result in sft.items() if not result.reused] == ["sft-dpo"]
+    assert runs["sft-dpo"]["jobs"] == 3 and runs["sft-kto"]["jobs"] == 2  # sft, dpo, evaluate; then kto, evaluate
+
+
+def test_a_worse_policy_is_not_promoted_over_production(shape_runs):
+    """DPO from the instruct model ("dpo") after DPO from the SFT model ("sft-dpo", promoted): it beats its own
+    reference but falls behind production, so production stays where it was."""
+    first, second = (shape_runs["runs"][run] for run in ("sft-dpo", "dpo"))
+    promoted = first["state"].result().promotion
+    assert promoted.promoted and first["production"] == promoted.version == 1
+    decision = second["state"].result().promotion
+    assert not decision.promoted and decision.production_version == 1 and second["production"] == 1
+    failures = [line for line in decision.reasons if line.startswith("FAIL")]
+    assert len(failures) == 1 and failures[0].startswith("FAIL accuracy") and "vs production v1" in failures[0]
+    assert set(decision.scores) == {"policy", "reference", "production"}
+    assert decision.scores["production"]["accuracy"] > decision.scores["policy"]["accuracy"]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["tiny-promotion"])))
+    (shown,) = {a.data for a in artifacts if "dpo v2: **not promoted**" in a.data}  # the run and its unchanged rerun
+    assert "| accuracy | 0.0500 | 0.0000 | 0.2500 |" in shown and "production is dpo v1" in shown
+
+
+def test_an_unchanged_run_reuses_every_stage_without_a_job(shape_runs):
+    again = shape_runs["runs"]["dpo again"]
+    result = again["state"].result()
+    assert again["jobs"] == 0 and result.unchanged and all(stage.reused for stage in result.stages.values())
+    # Judged as the first time, against the same production policy: the same evaluation is reused.
+    first = shape_runs["runs"]["dpo"]["state"].result()
+    assert result.stages == {name: stage.model_copy(update={"reused": True}) for name, stage in first.stages.items()}
+    assert not result.promotion.promoted and result.promotion.production_version == 1

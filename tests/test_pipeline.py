@@ -1,22 +1,32 @@
 """The tiny pipeline through Prefect and Ray, nothing mocked.
 
-One run serves both tests, to keep the suite to a single pipeline's worth of training: the RL stage is made
+One run serves both first tests, to keep the suite to a single pipeline's worth of training: the RL stage is made
 to crash right after its first checkpoint (RLHF_FAULT_INJECT, no task retries), so the flow run fails; the
 same flow run is then retried with `prefect flow-run retry` and completes. test_pipeline_learns checks what
 the completed run learned; test_retry_resumes_the_failed_stage checks how it got there.
+
+The nights after it, on the same store (its policy is production now):
+- one preference row changed, and RL at a learning rate of about 0 (a policy no better than its SFT start): SFT is
+  reused, the reward model, RL and the evaluation run again; the new policy is not promoted;
+- nothing changed: every stage is reused, no Ray job is submitted;
+- the other shapes that start from SFT (RL with a reward function, DPO, KTO), a few steps each, on the same SFT.
+On the same Prefect server and Ray head, `python -m flows.run --rehearse` runs each GPU preset on CPU.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
@@ -25,8 +35,8 @@ from flows.results import PipelineResult
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import PROJECT_ROOT, get_settings
-from stages.config import load_pipeline_config
-from tasks.run_stage import stage_code_version
+from stages.config import load_pipeline_config, policy_stage
+from tasks.run_stage import WORKSPACE_FIELDS, stage_code_version
 
 pytestmark = pytest.mark.pipeline
 
@@ -134,10 +144,9 @@ def test_pipeline_learns(resumed_run):
     lineage = {m.stage for m in store.lineage("evaluate", result.stages["evaluate"].version)}
     assert lineage == set(STAGES)
     evaluate_inputs = store.get("evaluate", result.stages["evaluate"].version).inputs
-    assert evaluate_inputs["policy"].digest == result.stages["rl"].digest
-    assert evaluate_inputs["reference"].digest == result.stages["sft"].digest
-    if result.promotion.promoted:
-        assert store.get("rl", "production").version == result.stages["rl"].version
+    assert evaluate_inputs["pretrain"].digest == result.stages["rl"].digest
+    assert evaluate_inputs["ref_pretrain"].digest == result.stages["sft"].digest
+    assert result.promotion.promoted and store.get("rl", "production").version == result.stages["rl"].version
 
 
 def test_retry_resumes_the_failed_stage(resumed_run):
@@ -162,3 +171,172 @@ def test_retry_resumes_the_failed_stage(resumed_run):
     assert rl.metrics["resumed_from_step"] > 0, rl.metrics
     workspace = resumed_run["tmp"] / "workspace" / "tiny" / "rl" / rl.stage_key[:16]
     assert any((workspace / "ckpt").iterdir())
+
+
+# ---------------------------------------------------------------------------------------------- the nights after
+
+def jobs_submitted(client) -> int:
+    return sum(len(statuses) for statuses in jobs_by_stage(client).values())
+
+
+def run_night(config) -> dict:
+    client = job_client(os.environ["RLHF_RAY_ADDRESS"])
+    jobs_before, started = jobs_submitted(client), time.monotonic()
+    state = full_rlhf(config, return_state=True)
+    return {"state": state, "seconds": time.monotonic() - started, "jobs": jobs_submitted(client) - jobs_before,
+            "result": state.result() if state.is_completed() else None}
+
+
+def change_one_preference_row(path: Path) -> None:
+    """Another wrong answer in the first pair's rejected response."""
+    rows = path.read_text().splitlines()
+    first = json.loads(rows[0])
+    wrong = next(f"Answer: {n}" for n in range(30, 40) if f"Answer: {n}" not in (first["chosen"], first["rejected"]))
+    rows[0] = json.dumps({**first, "rejected": wrong})
+    path.write_text("\n".join(rows) + "\n")
+
+
+@pytest.fixture(scope="module")
+def nights(resumed_run):
+    """After resumed_run (production: its policy): a night with one preference row changed and RL at a learning rate
+    of about 0, then a night with nothing changed."""
+    assert resumed_run["final_state"].is_completed(), retry_output(resumed_run)
+    tmp = resumed_run["tmp"]
+    change_one_preference_row(tmp / "tiny-assets" / "data" / "pref_train.jsonl")
+    config = load_pipeline_config("tiny", {
+        "artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets"),
+        "rl": {"actor_learning_rate": 1e-12, "max_samples": 32},  # one step that changes nothing
+        "evaluate": {"max_samples": 64, "eval_n_samples_per_prompt": 0},
+    })  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RLHF_FAULT_INJECT")
+        return {"changed": run_night(config), "unchanged": run_night(config)}
+
+
+def test_changed_preference_data_retrains_the_reward_model_and_what_follows(resumed_run, nights):
+    night = nights["changed"]
+    assert night["state"].is_completed(), night["state"].message
+    first, result = resumed_run["final_result"], night["result"]
+    assert {stage: r.reused for stage, r in result.stages.items()} == {
+        "sft": True, "reward_model": False, "rl": False, "evaluate": False}
+    assert {stage: r.version for stage, r in result.stages.items()} == {
+        "sft": 1, "reward_model": 2, "rl": 2, "evaluate": 2}
+    assert night["jobs"] == 3  # reward model, RL, evaluation: no SFT job
+
+    store = open_store(result.artifact_root, "tiny")
+    before, after = store.get("reward_model", 1), store.get("reward_model", 2)
+    # Same path, same config, same input: only the content of the preference data differs, and the manifests say so.
+    assert before.datasets["dataset"].source == after.datasets["dataset"].source
+    assert before.datasets["dataset"].fingerprint != after.datasets["dataset"].fingerprint
+    assert before.datasets["eval_dataset"] == after.datasets["eval_dataset"]
+    assert {k: v for k, v in before.config.items() if k not in WORKSPACE_FIELDS} == {
+        k: v for k, v in after.config.items() if k not in WORKSPACE_FIELDS}
+    assert before.inputs == after.inputs and first.stages["sft"].digest == before.inputs["pretrain"].digest
+
+
+def test_a_policy_worse_than_production_is_not_promoted(resumed_run, nights):
+    decision = nights["changed"]["result"].promotion
+    production = resumed_run["final_result"].stages["rl"]
+    assert not decision.promoted and decision.version == 2 and decision.production_version == production.version
+    assert open_store(nights["changed"]["result"].artifact_root, "tiny").get("rl", "production").version == 1
+    failures = [line for line in decision.reasons if line.startswith("FAIL")]
+    assert any(line.startswith("FAIL accuracy") and "vs production v1" in line for line in failures), failures
+    scores = decision.scores
+    assert scores["production"]["accuracy"] - scores["policy"]["accuracy"] >= 0.2, scores
+    store = open_store(nights["changed"]["result"].artifact_root, "tiny")
+    assert store.get("rl", "production").version == 1
+    assert store.get("evaluate", 2).inputs["production_pretrain"].digest == production.digest
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["tiny-promotion"])))
+    shown = [a.data for a in artifacts if "rl v2: **not promoted**" in a.data]
+    assert shown and all("production is rl v1" in text and "| accuracy |" in text for text in shown)
+
+
+def test_an_unchanged_night_reuses_every_stage_and_submits_no_job(nights):
+    night, changed = nights["unchanged"], nights["changed"]
+    assert night["state"].is_completed(), night["state"].message
+    result = night["result"]
+    assert night["jobs"] == 0 and result.unchanged
+    assert {stage: (r.version, r.reused) for stage, r in result.stages.items()} == {
+        stage: (r.version, True) for stage, r in changed["result"].stages.items()}
+    assert result.promotion.reasons == changed["result"].promotion.reasons  # judged as the night before
+    assert night["seconds"] < changed["seconds"] / 3, (night["seconds"], changed["seconds"])
+
+
+# A few steps each: these runs check that the shapes run end to end, not what they learn.
+SHAPES_FROM_SFT = {"sft-rl": {"rl": {"max_samples": 32}}, "sft-dpo": {"dpo": {"max_samples": 64}},
+                   "sft-kto": {"kto": {"max_samples": 32}}}
+
+
+@pytest.fixture(scope="module")
+def shapes_from_sft(resumed_run):
+    tmp = resumed_run["tmp"]
+    runs = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("RLHF_FAULT_INJECT")
+        for shape, sections in SHAPES_FROM_SFT.items():
+            runs[shape] = run_night(load_pipeline_config("tiny", {
+                "artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape,
+                "evaluate": {"max_samples": 16, "eval_n_samples_per_prompt": 0}, **sections}))  # fmt: skip
+    return runs
+
+
+@pytest.mark.parametrize("shape", SHAPES_FROM_SFT)
+def test_each_shape_from_sft_runs_end_to_end_on_the_committed_sft(resumed_run, shapes_from_sft, shape):
+    night = shapes_from_sft[shape]
+    assert night["state"].is_completed(), night["state"].message
+    result, sft = night["result"], resumed_run["final_result"].stages["sft"]
+    policy = result.stages[result.promotion.stage]
+    assert tuple(result.stages) == ("sft", result.promotion.stage, "evaluate") and result.shape == shape
+    assert result.stages["sft"] == sft.model_copy(update={"reused": True}) and night["jobs"] == 2
+    store = open_store(result.artifact_root, "tiny")
+    assert store.get(policy.stage, policy.version).inputs["pretrain"].digest == sft.digest
+    evaluation = store.get("evaluate", result.stages["evaluate"].version)
+    assert evaluation.inputs["pretrain"].digest == policy.digest
+    assert evaluation.inputs["ref_pretrain"].digest == sft.digest
+    assert policy.metrics["steps"] >= 1
+    report = result.stages["evaluate"].metrics
+    assert {"accuracy", "reference_accuracy", "kl_mean"} <= set(report) and math.isfinite(report["kl_mean"])
+
+
+# ---------------------------------------------------------------------------------------------- rehearsals
+
+GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
+
+
+@pytest.fixture(scope="module")
+def rehearsals(resumed_run):
+    """`python -m flows.run --preset <preset> --rehearse`, as a user runs it, on this module's server and head."""
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    env.pop("RLHF_FAULT_INJECT", None)
+    runs = {}
+    for preset in GPU_PRESETS:
+        root = resumed_run["tmp"] / "rehearsals" / preset
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "flows.run", "--preset", preset, "--rehearse", "--artifact_root",
+                               str(root)], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        runs[preset] = {"done": done, "seconds": time.monotonic() - started, "root": root}
+    return runs
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_gpu_preset_rehearsed_on_cpu_end_to_end(rehearsals, preset):
+    run = rehearsals[preset]
+    out = run["done"].stdout
+    assert run["done"].returncode == 0, out[-6000:] + run["done"].stderr[-6000:]
+    print(f"{preset} rehearsed in {run['seconds']:.0f} s\n{out}")
+    assert f"rehearsal of {preset} completed in" in out
+    table = out.split("but for these swaps\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table[0].split() == ["stage", "field", "preset", "rehearsal", "why"]
+    config = load_pipeline_config(preset)
+    swapped = {tuple(line.split()[:2]) for line in table[1:]}
+    store = open_store(str(run["root"] / "artifacts"), preset)
+    for stage in config.stages:
+        manifest = store.get(stage, 1)
+        preset_values = config.section(stage).model_dump(mode="json")
+        for field, value in manifest.config.items():  # what the job ran with: the preset's, but for the swaps
+            if field in manifest.inputs or field in WORKSPACE_FIELDS or (stage, field) in swapped:
+                continue
+            preset_value = preset_values[field]  # a relative path is made absolute for the jobs
+            assert value == preset_value or value == str((PROJECT_ROOT / str(preset_value)).resolve()), (stage, field)
+    assert store.get(policy_stage(config.shape), 1).metrics["steps"] >= 2

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from stages.config import parse_stage_args
-from stages.rehearsal import StandIns, rehearse_rl
+from stages.rehearsal import StandIns, rehearse_stage
 from stages.tiny import build_tiny_assets
 
 from conftest import free_port
@@ -173,10 +173,9 @@ def test_gpu_configs_rehearsed_on_cpu(source, tmp_path, assets, sft_model, rewar
     command (Workflow 1 step 2, our module path) run two rollouts with only the stated swaps."""
     argv = ["--config", "llama3-8b"] if source.startswith("llama3") else stage_argv(SEED_PPO)[1]
     preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
-    stand_ins = StandIns(base_model=str(assets["model"]), sft_model=str(sft_model), reward_model=str(reward_model),
-                         prompts=[json.loads(line) for line in Path(assets["prompts_train"]).read_text().splitlines()],
-                         fixtures_dir=tmp_path / "fixtures")
-    values, swaps = rehearse_rl(preset, stand_ins)
+    stand_ins = StandIns(base_model=str(assets["model"]), policy_model=str(sft_model), reward_model=str(reward_model),
+                         data_dir=assets["prompts_train"].parent, fixtures_dir=tmp_path / "fixtures")
+    values, swaps = rehearse_stage("rl", preset, stand_ins)
     swapped = {swap.field for swap in swaps}
     assert {"advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "vllm_enable_sleep",
             "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef"}.isdisjoint(swapped)

@@ -3,15 +3,18 @@ weight-sync buckets and the CPU rehearsal of a GPU preset."""
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from stages.config import RLConfig, parse_stage_args
-from stages.rehearsal import StandIns, rehearse_rl
+from stages.rehearsal import StandIns, rehearse_stage
 from stages.rl import PromptStream, drift_warnings
 from stages.roles import placement_plan, reward_normalization
+from stages.tiny import build_tiny_datasets
 from stages.weight_sync import bucket_bytes_total, plan_buckets
 
 TINY = ["--config", "tiny"]
@@ -77,20 +80,22 @@ def test_weight_sync_buckets_keep_order_dtype_and_size():
 
 def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
     preset = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False).model_dump(mode="json")
-    stand_ins = StandIns("base", "sft", "rm", [{"prompt": "1 + 1 = ?", "label": "2"}], tmp_path)
-    values, swaps = rehearse_rl(preset, stand_ins)
+    data = build_tiny_datasets(tmp_path / "data")
+    stand_ins = StandIns("base", "sft", "rm", data["prompts_train"].parent, tmp_path / "fixtures")
+    values, swaps = rehearse_stage("rl", preset, stand_ins)
     by_field = {swap.field: swap for swap in swaps}
     assert by_field["device"].after == "cpu" and by_field["vllm_sync_backend"].after == "gloo"
     assert by_field["actor_num_gpus_per_node"].after == 2 and by_field["vllm_tensor_parallel_size"].after == 1
-    assert (values["pretrain"], values["reward_pretrain"]) == ("sft", "rm")
+    assert (values["pretrain"], values["reward_pretrain"]) == ("sft", "rm")  # the policy and scorer stand-ins
     # Same ratios: 2 micro-batches per rank and step, 8 optimizer steps per rollout.
     assert values["train_batch_size"] == values["micro_train_batch_size"] * 2 * 2
     assert values["rollout_batch_size"] * values["n_samples_per_prompt"] == 8 * values["train_batch_size"]
     for kept in ("advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "vllm_enable_sleep",
                  "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef", "actor_learning_rate"):
         assert kept not in by_field and values[kept] == preset[kept]
-    fixture = (tmp_path / "prompts.jsonl").read_text()
-    assert '"context_messages": [{"role": "user", "content": "1 + 1 = ?"}]' in fixture
+    first_prompt = json.loads(data["prompts_train"].read_text().splitlines()[0])["prompt"]
+    fixture = Path(values["prompt_data"]).read_text()
+    assert f'"context_messages": [{{"role": "user", "content": "{first_prompt}"}}]' in fixture.splitlines()[0]
     RLConfig.model_validate(values)  # the rehearsal is a valid config
 
 

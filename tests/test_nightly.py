@@ -1,0 +1,245 @@
+"""Nightly retraining without a cluster: the shape table, the gate's rules, data fingerprints in stage keys (local
+and S3), the rehearsal's derived swaps, `python -m flows.run --plan` on the GPU presets, and the math reward of the
+GRPO preset. The runs themselves are in test_pipeline.py (real stages) and test_orchestration.py (toy stages)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import s3fs
+import yaml
+
+from stages.config import (
+    PIPELINE_SHAPES,
+    POLICY_STAGES,
+    STAGE_CONFIGS,
+    STAGE_INPUTS,
+    TINY_ASSET_FIELDS,
+    ConfigError,
+    PromotionGate,
+    load_pipeline_config,
+    policy_stage,
+    shape_inputs,
+)
+from stages.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
+from tasks.preflight import ClusterResources, _check_fit, ray_request
+from tasks.promote import check_gate
+from tasks.run_stage import stage_identity
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+@pytest.mark.parametrize("shape", PIPELINE_SHAPES)
+def test_every_shape_ends_in_an_evaluation_of_its_one_policy_fed_by_earlier_stages(shape):
+    stages = PIPELINE_SHAPES[shape]
+    assert stages[-1] == "evaluate" and policy_stage(shape) in POLICY_STAGES
+    wiring = shape_inputs(shape)
+    assert wiring["evaluate"]["pretrain"] == policy_stage(shape)
+    for stage, fed in wiring.items():
+        for field, producer in fed.items():
+            assert stages.index(producer) < stages.index(stage), (stage, field)
+            assert field in STAGE_CONFIGS[stage].model_fields, (stage, field)
+    assert shape.replace("rm", "reward_model").split("-") == [s for s in stages if s != "evaluate"]
+
+
+def test_the_tables_name_existing_fields():
+    for stage, field in [*STAGE_INPUTS, *TINY_ASSET_FIELDS]:
+        assert field in STAGE_CONFIGS[stage].model_fields, (stage, field)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"shape": "dpo", "evaluate": {"ref_pretrain": None}}, r"evaluate\.ref_pretrain unset: no stage of shape 'dpo' provides it, and no tiny_assets_dir"),
+    ({"shape": "rl", "rl": {"pretrain": None}}, r"rl\.pretrain unset: no stage of shape 'rl'"),
+    ({"shape": "pipeline"}, r"invalid value for shape: Input should be 'sft-rm-rl'"),
+    ({"gate": {"max_accuracy_regression": -0.1}}, r"invalid value for gate\.max_accuracy_regression"),
+    ({"rl": {"advantage_estimator": "ppo"}}, r"invalid value for rl\.advantage_estimator"),
+])  # fmt: skip
+def test_a_preset_that_cannot_run_its_shape_is_refused_naming_stage_and_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_pipeline_config("llama3-8b", overrides)
+
+
+def test_shapes_without_sft_take_their_start_from_the_section():
+    grpo = load_pipeline_config("llama3-8b-grpo")
+    assert grpo.stages == ("rl", "evaluate") and grpo.rl.pretrain == grpo.evaluate.ref_pretrain
+    assert load_pipeline_config("llama3-8b", {"shape": "rm-rl"}).stages == ("reward_model", "rl", "evaluate")
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+
+def test_every_gate_threshold_is_a_pipeline_field_and_acts():
+    assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "max_kl_mean",
+                                               "max_reward_regression", "max_accuracy_regression"}
+    assert load_pipeline_config("tiny").gate.max_accuracy_regression == 0.02
+    report = {"accuracy": 0.50, "reference_accuracy": 0.30, "reward_mean": 1.0, "reference_reward_mean": 0.5,
+              "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02}
+    assert check_gate(report, PromotionGate(), production_version=3)[0]  # within both tolerances
+    for field, value, failing in [("min_accuracy_gain", 0.3, "FAIL accuracy gain"),
+                                  ("min_reward_gain", 0.5, "FAIL reward gain"),
+                                  ("max_kl_mean", 0.3, "FAIL kl_mean"),
+                                  ("max_accuracy_regression", 0.005, "FAIL accuracy 0.5000 vs production v3"),
+                                  ("max_reward_regression", 0.01, "FAIL reward_mean 1.0000 vs production v3")]:
+        passed, reasons = check_gate(report, PromotionGate(**{field: value}), production_version=3)
+        assert not passed and [r for r in reasons if r.startswith("FAIL")][0].startswith(failing), (field, reasons)
+    # Production exists but the report did not score it: no decision without it.
+    no_production = {k: v for k, v in report.items() if not k.startswith("production_")}
+    passed, reasons = check_gate(no_production, PromotionGate(), production_version=3)
+    assert not passed and "no production_ metrics although production v3 exists" in reasons[0]
+    assert check_gate(no_production, PromotionGate(), production_version=None)[0]
+
+
+# ---------------------------------------------------------------------------------------------- fingerprints
+
+def test_the_stage_key_follows_data_content_not_paths(tmp_path):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "1+1", "chosen": "2", "rejected": "3"}\n')
+    config = {"dataset": str(data), "learning_rate": 1e-5, "pretrain": None}
+
+    def identity():
+        return stage_identity("p", "reward_model", config, {}, code="c")
+
+    first = identity()
+    assert identity().key == first.key and first.datasets["dataset"].fingerprint.startswith("sha256:")
+    data.write_text('{"prompt": "1+1", "chosen": "2", "rejected": "4"}\n')  # one row changed, same path
+    assert identity().key != first.key and identity().datasets["dataset"].source == str(data)
+    reward = tmp_path / "reward.py"  # a local reward function is fingerprinted like data
+    reward.write_text("def reward_func(q, p, l):\n    return [0.0] * len(q)\n")
+    with_reward = stage_identity("p", "rl", {**config, "remote_rm_url": str(reward)}, {}, code="c")
+    reward.write_text("def reward_func(q, p, l):\n    return [1.0] * len(q)\n")
+    assert stage_identity("p", "rl", {**config, "remote_rm_url": str(reward)}, {}, code="c").key != with_reward.key
+    endpoint = stage_identity("p", "rl", {**config, "remote_rm_url": "http://rm:5000/get_reward"}, {}, code="c")
+    assert set(endpoint.datasets) == {"dataset"}  # an HTTP endpoint is not data
+
+
+def test_s3_datasets_are_fingerprinted_by_etag_without_download(s3_root):
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    uri = f"{s3_root}/data/prompts.jsonl"
+    fs.pipe_file(uri, b'{"prompt": "1+1", "label": "2"}\n')
+    config = {"prompt_data": uri}
+    first = stage_identity("p", "rl", config, {}, code="c")
+    assert first.datasets["prompt_data"].fingerprint.startswith("s3:")
+    assert stage_identity("p", "rl", config, {}, code="c").key == first.key
+    fs.pipe_file(uri, b'{"prompt": "1+1", "label": "3"}\n')
+    assert stage_identity("p", "rl", config, {}, code="c").key != first.key
+
+
+# ---------------------------------------------------------------------------------------------- rehearsal
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    return build_stand_ins(tmp_path_factory.mktemp("stand-ins"))
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_a_rehearsal_keeps_every_setting_but_the_stated_swaps(preset, stand_ins, tmp_path):
+    config = load_pipeline_config(preset)
+    rehearsal, swaps = rehearse_pipeline(config, stand_ins, str(tmp_path / "artifacts"))
+    swapped = {(swap.stage, swap.field) for swap in swaps}
+    before, after = config.model_dump(mode="json"), rehearsal.model_dump(mode="json")
+    for stage in config.stages:
+        for field, value in before[stage].items():
+            assert after[stage][field] == value or (stage, field) in swapped, (stage, field)
+        assert after[stage]["device"] == "cpu" and not after[stage]["flash_attn"]
+    assert (after["shape"], after["gate"], after["name"]) == (before["shape"], before["gate"], before["name"])
+    for stage in {"sft", "reward_model", "dpo", "kto"} - set(config.stages):
+        assert after[stage] == before[stage]  # sections the shape does not run are left alone
+    # Nothing a GPU cluster also has is swapped: the settings that make the preset what it is stay.
+    kept = {"zero_stage", "bf16", "gradient_checkpointing", "packing_samples", "colocate_all_models",
+            "vllm_enable_sleep", "deepspeed_enable_sleep", "advantage_estimator", "use_kl_loss", "kl_estimator",
+            "init_kl_coef", "normalize_reward", "learning_rate", "actor_learning_rate", "apply_chat_template",
+            "input_key", "label_key", "remote_rm_url", "n_samples_per_prompt"}
+    assert not {field for _, field in swapped} & kept
+    table = swap_table(swaps).splitlines()
+    assert table[0].split() == ["stage", "field", "preset", "rehearsal", "why"] and len(table) == len(swaps) + 1
+
+
+def test_rehearsal_fixtures_keep_the_presets_formats(stand_ins, tmp_path):
+    import json
+
+    rehearsal, _ = rehearse_pipeline(load_pipeline_config("llama3-8b"), stand_ins, str(tmp_path / "artifacts"))
+    first = {stage: json.loads(Path(getattr(rehearsal, stage).dataset if stage != "rl" else rehearsal.rl.prompt_data)
+                               .read_text().splitlines()[0]) for stage in ("sft", "reward_model", "rl")}
+    assert set(first["sft"]) == {"question", "response"}  # OpenOrca's columns, as the preset names them
+    assert [m["role"] for m in first["reward_model"]["chosen"]] == ["user", "assistant"]  # conversations, no prompt
+    assert first["rl"]["context_messages"][0]["role"] == "user"  # chat messages under the preset's input_key
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+def run_plan(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flows.run", "--plan", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_plan_of_a_gpu_preset_in_seconds(preset, tmp_path):
+    done, seconds = run_plan("--preset", preset, "--artifact_root", str(tmp_path / "artifacts"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    print(f"--plan {preset}: {seconds:.1f} s\n{done.stdout}")
+    out = done.stdout
+    config = load_pipeline_config(preset)
+    assert out.startswith(f"pipeline {preset!r}, shape {config.shape}: " + " -> ".join(config.stages))
+    for stage in config.stages:
+        section = out.split(f"[{stage}] inputs:", 1)[1]
+        assert f"python -m stages.{stage} --device cuda" in section
+        assert "bundle(s) of 1 GPU + 1 CPU on cuda" in section
+        assert "would run (no committed artifact" in section or "would run (an earlier stage runs" in section
+    assert "schema not checked: the hub cannot be reached" in out  # hub datasets, offline here
+    assert "plan OK" in out and seconds < 60
+
+
+def test_plan_fails_naming_the_stage_and_field(tmp_path):
+    broken = yaml.safe_load((ROOT / "configs" / "llama3-8b.yaml").read_text())
+    broken["rl"]["vllm_enable_sleep"] = True
+    broken["rl"]["colocate_all_models"] = False
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    done, _ = run_plan("--preset", str(path))
+    assert done.returncode == 2 and "rl: --vllm_enable_sleep requires --colocate_all_models" in done.stderr
+
+    tiny = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    tiny["sft"]["input_key"] = "question"  # the tiny SFT data has no such column
+    tiny["tiny_assets_dir"] = str(tmp_path / "tiny-assets")
+    path.write_text(yaml.safe_dump(tiny))
+    done, _ = run_plan("--preset", str(path), "--artifact_root", str(tmp_path / "artifacts"))
+    assert done.returncode == 1, done.stdout[-2000:]
+    problem = next(line for line in done.stdout.splitlines() if line.startswith("PROBLEM:"))
+    assert problem.startswith("PROBLEM: sft.dataset: SFT data in ") and "sft_train.jsonl" in problem
+    assert "column 'question' (--input_key): column is missing" in done.stdout
+
+
+def test_resources_beyond_the_cluster_are_a_problem_there_and_a_note_here():
+    rl = load_pipeline_config("llama3-8b").rl
+    bundles, bundle = ray_request("rl", rl, "cuda", cores=16)
+    assert (bundles, bundle) == (8, {"GPU": 1.0, "CPU": 1.0})  # everything colocated on the actor's 8 GPUs
+    cluster = ClusterResources(where="a 4-GPU cluster", cpus=64, gpus=4, binding=True)
+    problems, notes = [], []
+    _check_fit("rl", "cuda", bundles, bundle, cluster, problems, notes)
+    assert problems == ["rl.*_num_nodes × *_num_gpus_per_node, vllm_num_engines × vllm_tensor_parallel_size: rl "
+                        "asks 8 bundle(s), 8 GPU (has 4), of a 4-GPU cluster"] and notes == []
+    laptop = cluster.model_copy(update={"where": "this machine", "gpus": 0, "binding": False})
+    _check_fit("rl", "cuda", bundles, bundle, laptop, problems := [], notes)
+    assert problems == [] and notes[0].startswith("rl.device cuda: rl asks 8 bundle(s), 8 GPU (has 0)")
+
+
+# ---------------------------------------------------------------------------------------------- rewards
+
+def test_the_math_reward_checks_final_answers():
+    spec = importlib.util.spec_from_file_location("math_answer", ROOT / "configs" / "reward_funcs" / "math_answer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    queries = ["Q: x. A: so \\boxed{\\frac{1}{2}}.", "Q: y. A: Answer: 7", "Q: z. A: it is 1,234.", "Q: w. A: 8",
+               "Q: v. A: Answer: 5", "Q: u. A: no idea"]
+    prompts = ["Q: x. A:", "Q: y. A:", "Q: z. A:", "Q: w. A:", "Q: v. A:", "Q: u. A:"]
+    labels = ["\\frac{1}{2}", "7", "1234", "so #### 8", "6", "3"]
+    assert module.reward_func(queries, prompts, labels) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
