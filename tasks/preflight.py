@@ -17,6 +17,7 @@ A hub dataset is checked when the hub answers; without hub access it is listed a
 
 from __future__ import annotations
 
+import importlib
 import os
 import shlex
 import time
@@ -208,16 +209,14 @@ def command_line(stage: str, values: dict, settings: Settings, width: int = 110)
 # ---------------------------------------------------------------------------------------------- data
 
 def _schema_check(stage: str, field: str) -> Callable[[Any, Any, str], None]:
-    """The validation a stage applies to the rows of `field` (the same functions the stages call)."""
+    """The validation a stage applies to the rows of `field` (the very functions the stages call)."""
     from stages import data
 
     if (stage, field) in PROMPT_FIELDS:
-        return lambda cfg, rows, source: data.validate_prompts(rows, source, cfg.input_key, cfg.label_key)
-    if stage == "sft":
-        return lambda cfg, rows, source: data.validate_sft(rows, source, cfg.input_key, cfg.output_key)
-    if stage in ("reward_model", "dpo"):
-        return lambda cfg, rows, source: data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key,
-                                                                  cfg.rejected_key)
+        return lambda cfg, rows, source: data.validate_prompts(rows, source, cfg.input_key, cfg.label_key,
+                                                               apply_chat_template=cfg.apply_chat_template)
+    if stage in OFFLINE_STAGES:  # each checks its dataset and eval_dataset with its own validate_rows
+        return importlib.import_module(f"stages.{stage}").validate_rows
     raise KeyError(f"no schema check for {stage}.{field}")
 
 

@@ -218,6 +218,30 @@ def test_plan_fails_naming_the_stage_and_field(tmp_path):
     assert "column 'question' (--input_key): column is missing" in done.stdout
 
 
+def test_the_plan_checks_each_stage_data_with_the_stage_own_validation(tmp_path):
+    """KTO rows (unpaired, with a label) and multi-turn SFT conversations are checked as their stages check them."""
+    import json
+
+    from tasks.preflight import check_datasets
+
+    kto_rows = tmp_path / "kto.jsonl"
+    kto_rows.write_text("\n".join(json.dumps({"prompt": "2+3=", "completion": "5", "label": True}) for _ in range(3)))
+    kto = STAGE_CONFIGS["kto"](pretrain="m", dataset=str(kto_rows), input_key="prompt", output_key="completion",
+                               label_key="label")
+    problems = []
+    assert [c.schema_check for c in check_datasets("kto", kto, problems)] == ["ok (3 rows)"] and problems == []
+    unlabelled = kto.model_copy(update={"label_key": "desirable"})
+    check_datasets("kto", unlabelled, problems)
+    assert problems and problems[0].startswith("kto.dataset: ") and "'desirable'" in problems[0]
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))  # no assistant turn to learn
+    sft = STAGE_CONFIGS["sft"](pretrain="m", dataset=str(chat), input_key="messages", multiturn=True,
+                               apply_chat_template=True)
+    check_datasets("sft", sft, problems := [])
+    assert problems and problems[0].startswith("sft.dataset: ")
+
+
 def test_resources_beyond_the_cluster_are_a_problem_there_and_a_note_here():
     rl = load_pipeline_config("llama3-8b").rl
     bundles, bundle = ray_request("rl", rl, "cuda", cores=16)

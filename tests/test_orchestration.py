@@ -150,7 +150,8 @@ def test_stage_commits_artifact_streams_logs_and_publishes(env):
 def test_rerun_is_idempotent_and_inputs_reach_config_fields(env):
     first = run_toy(env, ToyConfig(value=1)).result()
     again = run_toy(env, ToyConfig(value=1)).result()
-    assert again == first
+    assert again.reused and not first.reused
+    assert again.model_copy(update={"reused": False}) == first
     assert attempts_of(env, ToyConfig(value=1)) == ["SUCCEEDED"]  # no second job
 
     downstream = run_toy(env, ToyConfig(value=2), inputs={"pretrain": first}).result()
