@@ -2,7 +2,8 @@
 
 The reward of a sequence is the head's output at its last token. At evaluation time the mean and std of the
 rewards of all held-out chosen and rejected responses are stored in the checkpoint's config.json (`reward_mean`,
-`reward_std`) so that `--normalize_reward` in later stages can use them.
+`reward_std`) so that `--normalize_reward` in later stages can use them; without --eval_dataset they come from the
+first training pairs (`reward_stats_source` says which).
 
 Pairs are prompt/chosen/rejected columns, or (no --prompt_key) chosen and rejected whole conversations, as in
 OpenRLHF/preference_dataset_mixture2_and_safe_pku; --margin_loss reads a `margin` column.
@@ -52,6 +53,10 @@ def pair_rewards(model, examples: list[dict], *, pad_token_id: int, packing_samp
     return rewards[: len(examples)], rewards[len(examples) :]
 
 
+# Training pairs scored for the normalisation statistics when there is no held-out set.
+STATS_TRAIN_PAIRS = 1024
+
+
 class RewardModelWorker(StepTrainer):
     stage = "reward_model"
     value_model = True
@@ -87,9 +92,16 @@ class RewardModelWorker(StepTrainer):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        accuracy, stats = self.score_pairs(self.eval_examples)
+        self.reward_stats = {**stats, "reward_stats_source": "eval_dataset"}
+        return {"accuracy": accuracy, **stats}
+
+    @torch.no_grad()
+    def score_pairs(self, examples: list[dict]) -> tuple[float, dict[str, float]]:
+        """Pairwise accuracy over `examples`, and the mean and std of all their chosen and rejected rewards."""
         self.engine.eval()
         correct, pairs, total, total_sq, count = 0.0, 0.0, 0.0, 0.0, 0.0
-        for micro, real in self.eval_micro_batches():
+        for micro, real in self.eval_micro_batches(examples):
             chosen, rejected = self.pair_rewards(micro)
             if not real:
                 continue
@@ -101,12 +113,19 @@ class RewardModelWorker(StepTrainer):
                                     "count": count})
         mean = sums["sum"] / sums["count"]
         std = max(sums["sum_sq"] / sums["count"] - mean**2, 0.0) ** 0.5
-        self.reward_stats = {"reward_mean": mean, "reward_std": std}
-        return {"accuracy": sums["correct"] / sums["pairs"], **self.reward_stats}
+        return sums["correct"] / sums["pairs"], {"reward_mean": mean, "reward_std": std}
 
     def export_extra_config(self) -> dict | None:
-        # Normalisation statistics travel with the checkpoint (read by --normalize_reward downstream).
-        return getattr(self, "reward_stats", None)
+        # Normalisation statistics travel with the checkpoint (read by --normalize_reward downstream). Without a
+        # held-out set they come from the first training pairs, so that --normalize_reward works after any run.
+        if getattr(self, "reward_stats", None) is None:
+            pairs = self.train_examples[:STATS_TRAIN_PAIRS]
+            _, stats = self.score_pairs(pairs)
+            self.reward_stats = {**stats, "reward_stats_source": f"first {len(pairs)} training pairs"}
+            if self.rank == 0:
+                print(f"[reward_model] no --eval_dataset: reward_mean/reward_std for --normalize_reward come from "
+                      f"the first {len(pairs)} training pairs", flush=True)
+        return self.reward_stats
 
 
 def run(cfg) -> dict:

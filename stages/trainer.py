@@ -195,16 +195,17 @@ class StepTrainer(RankWorker):
         dist.all_reduce(tensor)
         return {k: float(v) for k, v in zip(keys, tensor.tolist())}
 
-    def eval_micro_batches(self) -> Iterator[tuple[list[dict], bool]]:
-        """This rank's share of the held-out examples in micro-batches, as (examples, real). Every rank gets the
-        same number (forwards are collectives under ZeRO-3): a rank with fewer examples fills up with a repeated
-        example marked real=False, whose results it must not count."""
-        shard = self.eval_examples[self.rank :: self.world_size]
+    def eval_micro_batches(self, examples: list[dict] | None = None) -> Iterator[tuple[list[dict], bool]]:
+        """This rank's share of `examples` (default: the held-out ones) in micro-batches, as (examples, real).
+        Every rank gets the same number (forwards are collectives under ZeRO-3): a rank with fewer examples fills
+        up with a repeated example marked real=False, whose results it must not count."""
+        examples = self.eval_examples if examples is None else examples
+        shard = examples[self.rank :: self.world_size]
         size = self.cfg.micro_train_batch_size
-        longest = math.ceil(len(self.eval_examples) / self.world_size)
+        longest = math.ceil(len(examples) / self.world_size)
         for index in range(math.ceil(longest / size)):
             micro = shard[index * size : (index + 1) * size]
-            yield (micro, True) if micro else (self.eval_examples[:1], False)
+            yield (micro, True) if micro else (examples[:1], False)
 
 
 def stop_if_diverged(record: dict[str, Any]) -> None:

@@ -266,6 +266,8 @@ def test_seed_command_trains_under_the_deepspeed_launcher_and_resumes_exactly(se
     model = model_cls.from_pretrained(tmp_path / "resumed" / "model")
     assert model.dtype == torch.bfloat16
     assert max_weight_change(tmp_path / "full" / "model", tmp_path / "resumed" / "model") == 0.0
+    if stage == "reward_model":  # no --eval_dataset in the seed: --normalize_reward's statistics from training pairs
+        assert model.config.reward_stats_source.startswith("first ") and model.config.reward_std > 0
 
 
 VLLM_GREEDY = """
