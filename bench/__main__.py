@@ -76,7 +76,8 @@ def ours_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict:
         "--save_path", out / "model", "--ckpt_path", out / "ckpt",
     )
     phases = {k.removeprefix("seconds/"): v for k, v in metrics.items() if k.startswith("seconds/")}
-    return {"command_seconds": wall, "startup_seconds": metrics["startup_seconds"],
+    startup = {k.removeprefix("startup/"): v for k, v in metrics.items() if k.startswith("startup/")}
+    return {"command_seconds": wall, "startup_seconds": metrics["startup_seconds"], "startup": startup,
             "loop_seconds": metrics["train_seconds"],
             "samples_per_s": PROMPTS_PER_STEP * SAMPLES_PER_PROMPT * case.steps / metrics["train_seconds"],
             "eval_accuracy": metrics.get("eval_reward"), "phases": phases}
@@ -132,7 +133,11 @@ def table(results: dict) -> str:
             ratio = "" if not other or mine is None else f"{(other / mine if lower_is_better else mine / other):.2f}x"
             lines.append(f"| {name}: {label} | {_fmt(mine)} | {_fmt(other) if theirs else 'not installed'} | "
                          f"{ratio} |")
-        lines.append(f"| {name}: RL stage start-up seconds | {_fmt(ours['startup_seconds'])} | | |")
+        split = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in sorted(
+            ours["phases"].items(), key=lambda item: -item[1]) if phase not in ("step", "experience") and seconds >= 0.05)
+        lines.append(f"| {name}: loop seconds by phase ({split}) | {_fmt(ours['phases'].get('step'))} | | |")
+        parts = ", ".join(f"{part} {seconds:.1f}" for part, seconds in ours["startup"].items())
+        lines.append(f"| {name}: RL stage start-up seconds ({parts}) | {_fmt(ours['startup_seconds'])} | | |")
     for name, result in results.get("supervised", {}).items():
         lines.append(f"| {name}: tokens/s (2 ranks) | {_fmt(result['tokens_per_s'])} | | |")
     if "pipeline" in results:

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return plan(config)
 
+    # The embedded server would report usage to Prefect; offline machines log an error for each attempt.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.settings import PREFECT_HOME
 
     from flows.full_rlhf import full_rlhf
