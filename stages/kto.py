@@ -21,9 +21,8 @@ import torch.distributed as dist
 from stages import algorithms as algo
 from stages import data
 from stages.dpo import response_sums
-from stages.engine import build_inference_engine, deepspeed_config, load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, validate_sources
+from stages.trainer import ReferenceStepTrainer, validate_sources
 
 
 def is_paired(cfg, rows) -> bool:
@@ -78,29 +77,12 @@ def kto_terms(policy_sums: torch.Tensor, ref_sums: torch.Tensor, kl_estimate: to
             "z0": z0}
 
 
-class KTOWorker(StepTrainer):
+class KTOWorker(ReferenceStepTrainer):
     stage = "kto"
-
-    def load_train_model(self, ds_config):
-        from stages.model_io import load_causal_lm, resolve_model_path
-
-        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = self.attn_implementation()
-        policy = load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn),
-                               ds_config)
-        ref_path = resolve_model_path(self.cfg.ref_pretrain or self.cfg.pretrain)
-        ref_config = deepspeed_config(self.cfg, world_size=self.world_size, train_batch_size=self.cfg.train_batch_size,
-                                      micro_batch_size=self.cfg.micro_train_batch_size, train=False)
-        reference = load_for_zero(lambda: load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn), ref_config)
-        self.reference = build_inference_engine(reference, ref_config, self.device)
-        return policy
 
     def build_examples(self, source: str, split: str) -> list[dict]:
         rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
         return build_examples(self.cfg, self.tokenizer, rows)
-
-    def step_normalizer(self, examples: list[dict]) -> float:
-        return float(len(examples))
 
     def micro_terms(self, examples: list[dict], average_kl_over_ranks: bool) -> dict[str, torch.Tensor]:
         sequences, masks, kl_sequences, kl_masks = kto_sequences(examples, self.cfg.max_len)

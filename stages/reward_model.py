@@ -75,9 +75,6 @@ class RewardModelWorker(StepTrainer):
         rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
         return build_examples(self.cfg, self.tokenizer, rows)
 
-    def step_normalizer(self, examples: list[dict]) -> float:
-        return float(len(examples))
-
     def pair_rewards(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
         return pair_rewards(self.engine, examples, pad_token_id=self.tokenizer.pad_token_id,
                             packing_samples=self.cfg.packing_samples)

@@ -55,7 +55,9 @@ class StepTrainer(RankWorker):
     # ---- hooks
     def load_train_model(self, ds_config: dict) -> torch.nn.Module: ...
     def build_examples(self, source: str, split: str) -> list[dict]: ...
-    def step_normalizer(self, examples: list[dict]) -> float: ...
+    def step_normalizer(self, examples: list[dict]) -> float:
+        """The step's global count its loss is divided by: its examples (pairs, samples) unless overridden."""
+        return float(len(examples))
     def micro_batch_loss(self, examples: list[dict], normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch as `sum / normalizer` (un-scaled) and summed statistics for logging; the
         statistic "tokens" counts the tokens the trained model read."""
@@ -207,6 +209,27 @@ class StepTrainer(RankWorker):
             micro = shard[index * size : (index + 1) * size]
             yield (micro, True) if micro else (examples[:1], False)
 
+
+
+class ReferenceStepTrainer(StepTrainer):
+    """A policy trained against a frozen reference model (DPO, KTO): `self.reference` is the reference's
+    inference engine, `--ref_pretrain` or else the starting model."""
+
+    def load_train_model(self, ds_config):
+        from stages.model_io import load_causal_lm, resolve_model_path
+
+        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
+        attn = self.attn_implementation()
+        policy = ds.load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn),
+                                  ds_config)
+        ref_path = resolve_model_path(self.cfg.ref_pretrain or self.cfg.pretrain)
+        ref_config = ds.deepspeed_config(self.cfg, world_size=self.world_size,
+                                         train_batch_size=self.cfg.train_batch_size,
+                                         micro_batch_size=self.cfg.micro_train_batch_size, train=False)
+        reference = ds.load_for_zero(lambda: load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn),
+                                     ref_config)
+        self.reference = ds.build_inference_engine(reference, ref_config, self.device)
+        return policy
 
 def stop_if_diverged(record: dict[str, Any]) -> None:
     """Raise NonFiniteLossError when a step's loss or gradient norm is nan or inf.
