@@ -1,4 +1,5 @@
-"""Shared fixtures: a local S3 endpoint (moto server), artifact roots on both backends, the test output folder."""
+"""Shared fixtures: the tiny task's assets and tokenizer, a one-rank process group, a local S3 endpoint (moto server),
+artifact roots on both backends, the test output folder."""
 
 from __future__ import annotations
 
@@ -18,6 +19,32 @@ MOTO_BUCKET = "rlhf-test"
 # What tests save for a person to look at (screenshots); listed at the end of the test report.
 TEST_OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
 _SESSION_STARTED = time.time()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """The tiny model, tokenizer and datasets (seed 0), built once per test module."""
+    from stages.tiny import build_tiny_assets
+
+    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from stages.model_io import load_tokenizer
+
+    return load_tokenizer(assets["model"])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A torch.distributed group of one gloo rank, for code that reduces over ranks or writes from rank 0."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("dist") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

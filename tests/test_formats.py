@@ -12,18 +12,6 @@ import pytest
 from stages import data, dpo, kto, reward_model, sft
 from stages.config import parse_stage_args
 from stages.data import DataValidationError
-from stages.model_io import load_tokenizer
-from stages.tiny import build_tiny_assets
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(assets):
-    return load_tokenizer(assets["model"])
 
 
 def read_jsonl(path) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -22,15 +21,6 @@ SEQUENCES = [[2, 40, 41, 42, 43, 3], [2, 50, 51, 3]]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A torch.distributed group of one gloo rank: export_hf writes from rank 0."""
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def load(model_dir, value_model: bool):

@@ -12,35 +12,13 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from stages import data, dpo, kto, lora, packing, reward_model, sft
 from stages.config import parse_stage_args
-from stages.model_io import load_tokenizer
-from stages.tiny import build_tiny_assets
 
 TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(assets):
-    return load_tokenizer(assets["model"])
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    """A torch.distributed group of one gloo rank (KTO averages its KL estimate over ranks)."""
-    store = tmp_path_factory.mktemp("dist") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tolerance: float = TOLERANCE) -> None:

@@ -7,7 +7,6 @@ model and one reward model (module fixtures) feed every run.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import yaml
 
 from stages.config import parse_stage_args
 from stages.rehearsal import StandIns, rehearse_stage
-from stages.tiny import build_tiny_assets
 
 from conftest import free_port
 from stage_runs import history_of, max_weight_change, metrics_of, run_stage
@@ -30,11 +28,6 @@ RULE_REWARD = "stages/tiny_reward.py"
 # rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
 PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
        "--critic_learning_rate", "3e-4", "--normalize_reward")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import torch
 
 from stages import data, packing, sequences, tiny
 from stages.model_io import load_tokenizer
-from stages.tiny import build_tiny_assets
 
 from conftest import free_port
 from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage
@@ -38,11 +37,6 @@ def run_launcher(stage: str, *flags: str, env: dict | None = None, expect_rc: in
         raise AssertionError(f"deepspeed --module stages.{stage} exited {proc.returncode} (expected {expect_rc})\n"
                              f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
 # Two epochs over the tiny SFT set: 150 steps of 32 examples, a checkpoint every 50.
