@@ -36,10 +36,11 @@ class RLCase:
     model: str  # "sft" (the tiny preset's SFT) or "medium" (random ~18M Llama)
     steps: int
     new_tokens: int
+    rollout_backend: str  # the tiny preset's HF generate, or vLLM where generation is most of the work
 
 
-FULL_CASES = (RLCase("tiny", "sft", 25, 8), RLCase("medium", "medium", 5, 64))
-QUICK_CASES = (RLCase("tiny", "base", 2, 8),)
+FULL_CASES = (RLCase("tiny", "sft", 25, 8, "hf"), RLCase("medium", "medium", 5, 64, "vllm"))
+QUICK_CASES = (RLCase("tiny", "base", 2, 8, "hf"),)
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, LEARNING_RATE, KL_COEF = 32, 4, 3e-4, 0.01
 
 
@@ -73,6 +74,7 @@ def ours_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict:
         "--rollout_batch_size", PROMPTS_PER_STEP, "--n_samples_per_prompt", SAMPLES_PER_PROMPT,
         "--train_batch_size", PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, "--actor_learning_rate", LEARNING_RATE,
         "--generate_max_len", case.new_tokens, "--max_samples", PROMPTS_PER_STEP * case.steps,
+        "--rollout_backend", case.rollout_backend,
         "--save_path", out / "model", "--ckpt_path", out / "ckpt",
     )
     phases = {k.removeprefix("seconds/"): v for k, v in metrics.items() if k.startswith("seconds/")}

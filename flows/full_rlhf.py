@@ -1,7 +1,7 @@
 """The `full-rlhf` flow: preflight, the stages of the config's shape, evaluation against the reference and the
 production policy, the promotion gate.
 
-Shapes (stages.config.PIPELINE_SHAPES) are data: the flow runs the shape's stages in order and feeds each
+Shapes (pipeline.config.PIPELINE_SHAPES) are data: the flow runs the shape's stages in order and feeds each
 stage's output into the fields STAGE_INPUTS names, e.g. SFT -> reward model -> RL -> evaluation, or SFT -> DPO ->
 evaluation. Each stage is a `run_stage` task (a Ray job) whose result is persisted. Retrying a failed flow run
 (the UI's Retry, or `prefect flow-run retry <id>`) keeps the run id, so finished tasks come back Cached and are not
@@ -30,11 +30,12 @@ from flows.results import PipelineResult
 from flows.server_setup import AUTO_RETRY_MESSAGE
 from infra.ray_cluster import ray_address_in_env
 from infra.settings import Settings, get_settings
-from stages.config import PipelineConfig, policy_stage, shape_inputs
+from pipeline.config import PipelineConfig, policy_stage
+from pipeline.identity import StageResult, stage_inputs
 from tasks.preflight import preflight
 from tasks.promote import production_policy, promote
 from tasks.report import publish_report
-from tasks.run_stage import StageResult, stage_task
+from tasks.run_stage import result_storage, stage_task
 
 
 class CrashLoop(RuntimeError):
@@ -72,7 +73,7 @@ def full_rlhf(config: PipelineConfig) -> PipelineResult:
         raise CrashLoop(f"crashed and was retried automatically {retries} times in a row (RLHF_MAX_CRASH_RETRIES="
                         f"{settings.max_crash_retries}); not running again: find the cause, then retry by hand")
     root = artifact_root_for(config, settings)
-    persisted = {"result_storage": settings.result_storage_block()}
+    persisted = {"result_storage": result_storage(settings)}
     plan = preflight.with_options(**persisted)(config, artifact_root=root, ray_address=settings.ray_address)
     config = plan.config
     # A night without changes needs no cluster: every stage is found committed.
@@ -81,16 +82,13 @@ def full_rlhf(config: PipelineConfig) -> PipelineResult:
         logger.info(f"{config.shape}: {' -> '.join(config.stages)}; Ray Jobs API {ray_address or 'not needed'}; "
                     f"artifacts {root}/{config.name}; workspaces {settings.workspace_root}")
         run = stage_task(settings)
-        wiring = shape_inputs(config.shape)
         results: dict[str, StageResult] = {}
         production = None
         for stage in config.stages:
-            inputs = {field: results[producer] for field, producer in wiring[stage].items()}
             if stage == "evaluate":
                 candidate = results[policy_stage(config.shape)]
                 production = production_policy.with_options(**persisted)(candidate, artifact_root=root)
-                if production is not None:
-                    inputs["production_pretrain"] = production
+            inputs = stage_inputs(config, stage, results, production)
             results[stage] = run(stage, config.section(stage), inputs, pipeline=config.name, artifact_root=root)
         policy = results[policy_stage(config.shape)]
         decision = promote.with_options(**persisted)(policy, results["evaluate"], config.gate, artifact_root=root,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from tasks.promote import PromotionDecision
-from tasks.report import ReportResult
-from tasks.run_stage import StageResult
+from pipeline.gate import PromotionDecision
+from pipeline.identity import StageResult
+from pipeline.report import ReportResult
 
 
 class PipelineResult(BaseModel):

@@ -2,7 +2,7 @@
 
     python -m flows.run --preset tiny [--artifact_root DIR]
     python -m flows.run --preset llama3-8b --plan         # the preflight alone: seconds, no job
-    python -m flows.run --preset llama3-8b --rehearse     # the preset on CPU with tiny stand-ins (stages.rehearsal)
+    python -m flows.run --preset llama3-8b --rehearse     # the preset on CPU with tiny stand-ins (pipeline/rehearsal.py)
 
 Without PREFECT_API_URL, Prefect starts a temporary local server for the run (its database stays in
 PREFECT_HOME, so `prefect server start` shows the run afterwards). Without RLHF_RAY_ADDRESS, the flow starts
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from flows.results import PipelineResult
 from infra.settings import get_settings
-from stages.config import ConfigError, PipelineConfig, load_pipeline_config, preset_names
+from pipeline.config import PipelineConfig, load_pipeline_config
+from stages.config import ConfigError, preset_names
 
 DEFAULT_REHEARSAL_ROOT = "./artifacts/rehearsal"
 
@@ -40,8 +41,8 @@ def metrics_table(result: PipelineResult) -> str:
 
 def plan(config: PipelineConfig) -> int:
     """Print the preflight plan of `config`; 0 when it found no problem."""
-    from tasks.preflight import build_plan
     from flows.full_rlhf import artifact_root_for
+    from pipeline.plan import build_plan
 
     settings = get_settings()
     result = build_plan(config, settings, settings.ray_address, artifact_root=artifact_root_for(config, settings),
@@ -52,7 +53,7 @@ def plan(config: PipelineConfig) -> int:
 
 def rehearsal_config(config: PipelineConfig, root: Path) -> PipelineConfig:
     """The rehearsal of `config` under `root` (stand-ins, fixtures, artifacts), its swap table printed."""
-    from stages.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
+    from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
 
     stand_ins = build_stand_ins(root / "stand-ins")
     rehearsed, swaps = rehearse_pipeline(config, stand_ins, str(root / "artifacts"))

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.callbacks import Callback
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MANIFEST_NAME = "MANIFEST.json"
 LATEST = "latest"
@@ -50,11 +50,29 @@ _VERSION_REF = re.compile(r"^v?(\d+)$")
 _VERSION_PATH = re.compile(r"/v(\d+)(?:\.json|/" + re.escape(MANIFEST_NAME) + r")?$")
 _HASH_BLOCK = 8 * 2**20
 _MAX_CLAIM_ATTEMPTS = 1000
-# Test-only hook: "<step>:<n>" parks a writer at a known point of a commit so a test can kill -9 it there.
-PAUSE_ENV = "RLHF_ARTIFACTS_PAUSE"
 STAGING = "_staging"
 _MAX_BACKOFF_S = 30.0
 T = TypeVar("T")
+
+
+class StoreSettings(BaseSettings):
+    """How the store retries and cleans up, from RLHF_* variables (the orchestration's Settings extend these)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLHF_", extra="ignore")
+
+    artifact_retry_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long an artifact-store operation keeps retrying transient failures (S3 endpoint "
+        "unreachable, timeouts, 5xx) with exponential backoff before the commit fails (RLHF_ARTIFACT_RETRY_S).",
+    )
+    staging_grace_s: float = Field(
+        24 * 3600.0,
+        ge=0,
+        description="Age after which `_staging/` leftovers of killed writers (and claimed versions that never "
+        "got a manifest) are removed by the next commit of their stage and by `python -m infra.artifacts gc`; "
+        "longer than any upload (RLHF_STAGING_GRACE_S).",
+    )
 
 
 class ArtifactError(Exception):
@@ -138,20 +156,6 @@ def storage_options_from_env(root: str) -> dict:
     # No region here: botocore reads AWS_REGION/AWS_DEFAULT_REGION itself, and an explicit us-east-1 breaks
     # bucket creation.
     return options
-
-
-def _pause_point(step: str, count: int) -> None:
-    """Park this writer when PAUSE_ENV equals "<step>:<count>" (test-only; unset in normal runs)."""
-    if os.environ.get(PAUSE_ENV) == f"{step}:{count}":
-        print(f"{PAUSE_ENV}: paused at {step}:{count}", file=sys.stderr, flush=True)
-        time.sleep(3600)
-
-
-class _UploadProgress(Callback):
-    """Counts staged-upload progress ticks (one per file) for the test-only pause hook."""
-
-    def call(self, *args, **kwargs):
-        _pause_point("upload", self.value)
 
 
 def _sha256_stream(stream) -> tuple[int, str]:
@@ -330,13 +334,11 @@ class ArtifactStore:
             self._retrying(f"upload of {source} to staging", lambda: self.fs.put(
                 [str(source / rel) for rel in files],
                 [f"{staging}/{rel}" for rel in files],
-                callback=_UploadProgress(),
             ))
             version = self._claim_version(stage_path)
             version_path = self._version_path(stage, version)
-            for moved, rel in enumerate(files, start=1):
+            for rel in files:
                 self._move(f"{staging}/{rel}", f"{version_path}/{rel}")
-                _pause_point("move", moved)
             manifest = draft.model_copy(update={
                 "version": version,
                 "uri": self._uri(version_path),
@@ -633,11 +635,9 @@ class ArtifactStore:
 def open_store(root: str, pipeline: str, log: Callable[[str], None] | None = None) -> ArtifactStore:
     """Store at ``root`` with storage options from the environment (AWS_* for s3://) and retry/clean-up
     periods from the settings (RLHF_ARTIFACT_RETRY_S, RLHF_STAGING_GRACE_S)."""
-    from infra.settings import get_settings
-
-    settings = get_settings()
+    settings = StoreSettings()
     return ArtifactStore(root, pipeline, storage_options_from_env(root), retry_for_s=settings.artifact_retry_s,
-                         staging_grace_s=settings.staging_grace_s, log=log)  # fmt: skip
+                         staging_grace_s=settings.staging_grace_s, log=log)
 
 
 def pipelines(root: str) -> list[str]:

@@ -161,6 +161,7 @@ class LocalRayHead:
         self.bind_host = bind_host
         self.startup_timeout_s = startup_timeout_s
         self.address: str | None = None
+        self.gcs_address: str | None = None  # what ray.init(address=...) of a driver on this machine joins
         self.pid: int | None = None
         self._process: subprocess.Popen | None = None
         self._temp_dir: str | None = None
@@ -170,7 +171,7 @@ class LocalRayHead:
     def listens_everywhere(self) -> bool:
         return self.bind_host in ALL_INTERFACES
 
-    def command(self, dashboard_port: int) -> list[str]:
+    def command(self, dashboard_port: int, gcs_port: int | None = None) -> list[str]:
         """`ray start` for this head; every server in it listens on `bind_host`."""
         host = self.bind_host
         # On every interface, Ray picks the node's address itself; a given address is the node's.
@@ -180,7 +181,7 @@ class LocalRayHead:
             *node_ip,
             f"--dashboard-host={host}",
             f"--num-cpus={self.num_cpus}",
-            f"--port={free_port(host)}",
+            f"--port={gcs_port or free_port(host)}",
             f"--dashboard-port={dashboard_port}",
             f"--ray-client-server-port={free_port(host)}",
             f"--dashboard-agent-listen-port={free_port(host)}",
@@ -205,8 +206,8 @@ class LocalRayHead:
         # /tmp keeps the unix socket paths under Ray's length limit.
         self._temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp")
         self._log_path = Path(self._temp_dir) / "ray-start.log"
-        dashboard_port = free_port(self.bind_host)
-        command = self.command(dashboard_port)
+        dashboard_port, gcs_port = free_port(self.bind_host), free_port(self.bind_host)
+        command = self.command(dashboard_port, gcs_port)
         with open(self._log_path, "wb") as log:
             self._process = subprocess.Popen(
                 command, env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -222,6 +223,7 @@ class LocalRayHead:
                 raise RayClusterError(f"local Ray head did not start ({' '.join(command)}):\n{log_tail}")
             time.sleep(0.5)
         self.address = address
+        self.gcs_address = f"{_url_host(client_host)}:{gcs_port}"
         return address
 
     @classmethod

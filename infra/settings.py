@@ -9,7 +9,6 @@ flows see changes made after import.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import sys
@@ -17,8 +16,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
+from infra.artifacts import StoreSettings
 from infra.secrets import is_secret_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +34,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class Settings(BaseSettings):
-    """Where artifacts, workspaces and Ray live, and how stage jobs are run and watched."""
+class Settings(StoreSettings):
+    """Where artifacts, workspaces and Ray live, and how stage jobs are run and watched (with the artifact store's
+    own retry and clean-up settings, infra/artifacts.py)."""
 
     model_config = SettingsConfigDict(env_prefix="RLHF_", extra="ignore")
 
@@ -83,7 +84,7 @@ class Settings(BaseSettings):
         "project installed); unset = PYTHONPATH points at the project root (RLHF_JOB_WORKING_DIR).",
     )
     job_env_passthrough: Annotated[list[str], NoDecode] = Field(
-        ["RLHF_FAULT_INJECT"],
+        [],
         description="Comma-separated env var names copied from the worker into each job's env when set. "
         "Secret names (*_TOKEN, *_SECRET*, *_KEY, AWS_*) are refused: Ray keeps a job's env in its job info; "
         "give the cluster its own credentials (RLHF_JOB_ENV_PASSTHROUGH).",
@@ -96,7 +97,7 @@ class Settings(BaseSettings):
     code_version: str | None = Field(
         None,
         description="Code version in stage keys, e.g. the release's git commit or image tag; unset = sha256 of "
-        "the stage package's and infra/'s sources (RLHF_CODE_VERSION).",
+        "the sources each stage's job can import (pipeline/code.py) (RLHF_CODE_VERSION).",
     )
     poll_interval_s: float = Field(
         5.0, gt=0, description="Seconds between job status/log polls (RLHF_POLL_INTERVAL_S)."
@@ -112,19 +113,6 @@ class Settings(BaseSettings):
     )
     retry_delay_s: float = Field(
         10.0, ge=0, description="Seconds between stage retries (RLHF_RETRY_DELAY_S)."
-    )
-    artifact_retry_s: float = Field(
-        600.0,
-        ge=0,
-        description="How long an artifact-store operation keeps retrying transient failures (S3 endpoint "
-        "unreachable, timeouts, 5xx) with exponential backoff before the commit fails (RLHF_ARTIFACT_RETRY_S).",
-    )
-    staging_grace_s: float = Field(
-        24 * 3600.0,
-        ge=0,
-        description="Age after which `_staging/` leftovers of killed writers (and claimed versions that never "
-        "got a manifest) are removed by the next commit of their stage and by `python -m infra.artifacts gc`; "
-        "longer than any upload (RLHF_STAGING_GRACE_S).",
     )
     zombie_after_s: int = Field(
         120,
@@ -204,27 +192,8 @@ class Settings(BaseSettings):
         )
         return {"env_vars": {**env, "PYTHONPATH": pythonpath}}
 
-    def result_storage_block(self) -> Path | str:
-        """Prefect `result_storage`: a local path, or the slug of a saved storage block.
-
-        Prefect only takes saved blocks, so an fsspec URI (s3://...) is saved once as a
-        `remote-file-system` block named after it; its credentials come from each worker's environment.
-        """
-        value = self.result_storage
-        if value is None:
-            return self.workspace_root / "prefect-results"
-        if value.startswith("block:"):
-            return value.removeprefix("block:")
-        if value.startswith("file://"):
-            return Path(value.removeprefix("file://"))
-        if "://" in value:
-            from prefect.filesystems import RemoteFileSystem
-
-            name = "rlhf-results-" + hashlib.sha256(value.encode()).hexdigest()[:12]
-            RemoteFileSystem(basepath=value).save(name, overwrite=True)
-            return f"remote-file-system/{name}"
-        return Path(value).expanduser().resolve()
 
 def get_settings(**overrides) -> Settings:
     """Settings from the current environment, with keyword overrides on top."""
     return Settings(**overrides)
+

@@ -2,7 +2,7 @@
 
 Everything here is computed in float32 whatever the input dtype, and takes an explicit action ``mask``
 ([B, T], 1 on response tokens) wherever padding exists: masked positions never change a result.
-Formulas and worked numbers: ../shared/reference/algorithms.md.
+Formulas and worked numbers: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -11,11 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-GROUP_ESTIMATORS = ("group_norm", "rloo", "dr_grpo", "reinforce_baseline")
-ADVANTAGE_ESTIMATORS = ("gae", "reinforce", *GROUP_ESTIMATORS)
-# Estimators whose token advantages are whitened over the whole rollout batch (REINFORCE++ style).
-GLOBALLY_NORMALIZED_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")
+from stages.estimators import ADVANTAGE_ESTIMATORS, GLOBALLY_NORMALIZED_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 
 KL_CLAMP = 10.0
 LOG_RATIO_CLAMP = 20.0

@@ -1,33 +1,32 @@
-"""Pydantic configs for every stage and the pipeline, and the command line generated from them.
+"""Pydantic configs of every stage, and the presets they are read from.
 
-Field names are OpenRLHF's flag names, so its commands run with our module paths:
+Field names are OpenRLHF's flag names, so its commands run with our module paths (stages/cli.py builds the flags):
 
     python -m stages.rl --config llama3-8b --advantage_estimator group_norm
     deepspeed --module stages.reward_model --pretrain meta-llama/Meta-Llama-3-8B --dataset ... --zero_stage 3
 
 A stage's values are the `<stage>:` section of a preset (`--config tiny`, `--config llama3-8b` or a YAML path)
 overridden by flags. The merged values are validated; impossible combinations are rejected naming the flags.
+Each field declares what it is (stages/fields.py: dataset, model, output, ...) where it is defined.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import textwrap
-import types
-from pathlib import Path
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from stages.estimators import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
+from stages.fields import LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, Dataset, GpuOnly, ModelPath
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 Device = Literal["auto", "cpu", "cuda"]
-AdvantageEstimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
-KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal[ADVANTAGE_ESTIMATORS]  # type: ignore[valid-type]
+KLEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 RolloutBackend = Literal["auto", "vllm", "hf"]
 # transformers' schedulers that need nothing beyond warmup and total steps
 LRScheduler = Literal[
@@ -35,17 +34,18 @@ LRScheduler = Literal[
     "cosine_with_restarts",
 ]
 
-# Estimators whose baseline comes from the other samples of the same prompt.
-GROUP_ESTIMATORS = ("group_norm", "rloo", "dr_grpo", "reinforce_baseline")
-# Where outputs go and which rank reads the config do not change what a stage computes.
-UNHASHED_FIELDS = frozenset({"local_rank", "save_path", "ckpt_path"})
+# Field types whose role is the same wherever they appear.
+OutputPath = Annotated[str, OUTPUT]
+BaseModelPath = Annotated[str | None, ModelPath("base")]
+PolicyPath = Annotated[str | None, ModelPath("policy")]
+ScorerPath = Annotated[str | None, ModelPath("scorer")]
 
 
 class ConfigError(ValueError):
     """A preset or config that cannot be loaded or validated; the message names the file and the field."""
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -81,7 +81,7 @@ def _eval_split(default: str) -> Any:
 
 # ---------------------------------------------------------------- shared field groups
 
-class StageConfig(_Strict):
+class StageConfig(StrictModel):
     """Fields every stage has, and the hook that rejects impossible combinations."""
 
     # Groups of fields a run cannot do without; in a group any one is enough. Checked by parse_stage_args.
@@ -89,26 +89,31 @@ class StageConfig(_Strict):
 
     device: Device = Field("auto", description="where ranks run: cuda, cpu, or auto (cuda when the cluster has GPUs)")
     seed: int = Field(42, description="random seed for initialisation, data order and sampling")
-    save_path: str = Field(
+    save_path: OutputPath = Field(
         "./ckpt", description="output directory: HF model (safetensors + tokenizer) or report, and metrics.json",
     )
     bf16: bool = Field(False, description="compute in bfloat16 (otherwise fp32)")
-    flash_attn: bool = Field(False, description="use FlashAttention-2 kernels (CUDA only)")
+    flash_attn: Annotated[bool, GpuOnly(False, "FlashAttention-2 has CUDA kernels only; attention runs with "
+                                        "PyTorch's sdpa")] = Field(
+        False, description="use FlashAttention-2 kernels (CUDA only)",
+    )
     apply_chat_template: bool = Field(False, description="render prompts with the tokenizer's chat template")
     input_template: str | None = Field(
         None, description="template with {} for the prompt text, used without --apply_chat_template",
     )
     max_samples: int = _max_samples(1_000_000)
-    use_tensorboard: str | None = Field(
+    use_tensorboard: Annotated[str | None, NOT_TRAINING] = Field(
         None, description="write metrics as TensorBoard events under this directory (one subdirectory per stage)",
     )
-    use_wandb: bool = Field(
+    use_wandb: Annotated[bool, NOT_TRAINING] = Field(
         False,
         description="log metrics to Weights & Biases: online with WANDB_API_KEY in the environment, otherwise "
         "offline run files (under $WANDB_DIR/wandb or <save_path>/wandb) to upload later with `wandb sync`",
     )
-    wandb_project: str = Field("rlhf-flow", description="W&B project of --use_wandb runs")
-    wandb_run_name: str | None = Field(None, description="W&B run name of --use_wandb runs; unset: the stage name")
+    wandb_project: Annotated[str, NOT_TRAINING] = Field("rlhf-flow", description="W&B project of --use_wandb runs")
+    wandb_run_name: Annotated[str | None, NOT_TRAINING] = Field(
+        None, description="W&B run name of --use_wandb runs; unset: the stage name",
+    )
 
     @model_validator(mode="after")
     def _reject_impossible(self) -> StageConfig:
@@ -123,8 +128,6 @@ class StageConfig(_Strict):
 
     def _problems(self) -> list[str]:
         problems = []
-        if self.flash_attn and self.device == "cpu":
-            problems.append("--flash_attn needs --device cuda or auto (FlashAttention has no CPU kernels)")
         if self.input_template is not None:
             if "{}" not in self.input_template:
                 problems.append(f"--input_template {self.input_template!r} has no {{}} for the prompt")
@@ -144,14 +147,20 @@ class StageConfig(_Strict):
 class TrainingConfig(StageConfig):
     """Runtime fields of every training stage: checkpoints, DeepSpeed, optimizer, batches."""
 
-    ckpt_path: str = _ckpt_path("./ckpt/checkpoints")
-    save_steps: int = Field(-1, ge=-1, description="optimizer steps between checkpoints; -1 = only the final output")
-    logging_steps: int = Field(1, ge=1, description="optimizer steps between metric log lines")
-    eval_steps: int = Field(
+    ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints")
+    save_steps: Annotated[int, NOT_TRAINING] = Field(
+        -1, ge=-1, description="optimizer steps between checkpoints; -1 = only the final output",
+    )
+    logging_steps: Annotated[int, NOT_TRAINING] = Field(
+        1, ge=1, description="optimizer steps between metric log lines",
+    )
+    eval_steps: Annotated[int, NOT_TRAINING] = Field(
         -1, ge=-1, description="optimizer steps between evaluations; -1 = only the final evaluation",
     )
-    max_ckpt_num: int = Field(3, ge=1, description="checkpoints kept under --ckpt_path; older ones are deleted")
-    load_checkpoint: bool = Field(
+    max_ckpt_num: Annotated[int, NOT_TRAINING] = Field(
+        3, ge=1, description="checkpoints kept under --ckpt_path; older ones are deleted",
+    )
+    load_checkpoint: Annotated[bool, NOT_TRAINING] = Field(
         False,
         description="resume from --ckpt_path even though its checkpoints were written by a run with other settings "
         "or data (a matching run resumes without it)",
@@ -175,10 +184,10 @@ class TrainingConfig(StageConfig):
     micro_train_batch_size: int = _micro_train_batch_size(8)
     max_epochs: int = _max_epochs(1)
     max_len: int | None = _max_len(2048)
-    eval_dataset: str | None = Field(
+    eval_dataset: Annotated[str | None, Dataset(split="eval_split", held_out=True), NOT_TRAINING] = Field(
         None, description="held-out dataset: hub name, local json/jsonl/parquet or s3:// URI",
     )
-    eval_split: str = _eval_split("test")
+    eval_split: Annotated[str, NOT_TRAINING] = _eval_split("test")
     lora_rank: int = Field(
         0, ge=0, description="train LoRA adapters (PEFT) of this rank instead of all weights; 0 = full fine-tuning",
     )
@@ -222,7 +231,7 @@ class TrainingConfig(StageConfig):
         return problems
 
 
-class RankLayout(_Strict):
+class RankLayout(StrictModel):
     """Ranks of a stage that runs one group of identical ranks: num_nodes × num_gpus_per_node."""
 
     num_nodes: int = Field(1, ge=1, description="nodes to run on")
@@ -238,22 +247,26 @@ class OfflineTrainingConfig(RankLayout, TrainingConfig):
 
     required_inputs = (("pretrain",), ("dataset",))
 
-    local_rank: int = Field(-1, description="rank on this node, passed by the deepspeed launcher (--local_rank=N)")
-    dataset: str | None = Field(None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI")
+    local_rank: Annotated[int, LAUNCHER] = Field(
+        -1, description="rank on this node, passed by the deepspeed launcher (--local_rank=N)",
+    )
+    dataset: Annotated[str | None, Dataset(split="dataset_split")] = Field(
+        None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI",
+    )
     dataset_split: str = Field("train", description="split of --dataset to read (a single file is the split itself)")
 
     def train_world_sizes(self) -> dict[str, int]:
         return {f"--num_nodes {self.num_nodes} × --num_gpus_per_node {self.num_gpus_per_node}": self.world_size}
 
 
-class SupervisedKeys(_Strict):
+class SupervisedKeys(StrictModel):
     """Column names of prompt/response rows."""
 
     input_key: str = Field("input", description="dataset column holding the prompt (text or chat messages)")
     output_key: str = Field("output", description="dataset column holding the response")
 
 
-class PreferenceKeys(_Strict):
+class PreferenceKeys(StrictModel):
     """Column names of preference rows."""
 
     prompt_key: str | None = Field(
@@ -268,7 +281,9 @@ class PromptConfig(StageConfig):
 
     required_inputs = (("pretrain",), ("prompt_data",), ("reward_pretrain", "remote_rm_url"))
 
-    prompt_data: str | None = Field(None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI")
+    prompt_data: Annotated[str | None, Dataset(split="prompt_split")] = Field(
+        None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI",
+    )
     prompt_split: str = Field("train", description="split of --prompt_data to read (a single file is the split itself)")
     input_key: str = Field(
         "input", description="dataset column holding the prompt: text, or chat messages (needs --apply_chat_template)",
@@ -278,7 +293,7 @@ class PromptConfig(StageConfig):
         1024, ge=1, description="maximum prompt tokens; longer prompts are dropped (and counted in the log)",
     )
     generate_max_len: int = Field(1024, ge=1, description="maximum new tokens per response")
-    remote_rm_url: str | None = Field(
+    remote_rm_url: Annotated[str | None, REWARD_SOURCE] = Field(
         None,
         description="reward function: a python file defining reward_func(queries, prompts, labels), or an HTTP "
         "endpoint, or a comma-separated list of endpoints (load-balanced; a failed request is retried with backoff "
@@ -287,7 +302,7 @@ class PromptConfig(StageConfig):
     remote_rm_timeout: float = Field(
         180.0, gt=0, description="seconds an HTTP reward request may take before it counts as failed and is retried",
     )
-    reward_pretrain: str | None = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
+    reward_pretrain: ScorerPath = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
     normalize_reward: bool = Field(
         False,
         description="standardise reward-model scores with the mean/std stored in the reward model's config.json "
@@ -304,7 +319,8 @@ class PromptConfig(StageConfig):
     vllm_gpu_memory_utilization: float = Field(
         0.95, gt=0, le=1, description="fraction of GPU memory a vLLM engine may use",
     )
-    enforce_eager: bool = Field(False, description="run vLLM without CUDA graphs (on CPU engines always run eagerly)")
+    enforce_eager: Annotated[bool, GpuOnly(True, "CUDA graphs exist on GPUs only; CPU engines always run eagerly")] = (
+        Field(False, description="run vLLM without CUDA graphs (on CPU engines always run eagerly)"))
     enable_prefix_caching: bool = Field(
         False, description="let vLLM reuse the KV cache of shared prompt prefixes (the n samples of a prompt)",
     )
@@ -330,8 +346,8 @@ class PromptConfig(StageConfig):
 class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
     """Supervised fine-tuning: `python -m stages.sft`."""
 
-    pretrain: str | None = Field(None, description="model to fine-tune (HF dir, hub name or s3:// URI)")
-    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_sft")
+    pretrain: BaseModelPath = Field(None, description="model to fine-tune (HF dir, hub name or s3:// URI)")
+    ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_sft")
     learning_rate: float = _learning_rate(5e-6)
     max_epochs: int = _max_epochs(2)
     system_key: str | None = Field(
@@ -365,8 +381,8 @@ class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
 class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
     """Reward model on preference pairs: `python -m stages.reward_model` (OpenRLHF's train_rm)."""
 
-    pretrain: str | None = Field(None, description="model the reward model starts from, usually the SFT model")
-    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_rm")
+    pretrain: BaseModelPath = Field(None, description="model the reward model starts from, usually the SFT model")
+    ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_rm")
     learning_rate: float = _learning_rate(9e-6)
     micro_train_batch_size: int = _micro_train_batch_size(1)
     max_len: int | None = _max_len(512)
@@ -385,9 +401,9 @@ class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
 class DPOConfig(PreferenceKeys, OfflineTrainingConfig):
     """Direct preference optimisation (and IPO, cDPO): `python -m stages.dpo`."""
 
-    pretrain: str | None = Field(None, description="policy to train, usually the SFT model")
-    ref_pretrain: str | None = Field(None, description="frozen reference model; unset: a copy of --pretrain")
-    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_dpo")
+    pretrain: PolicyPath = Field(None, description="policy to train, usually the SFT model")
+    ref_pretrain: PolicyPath = Field(None, description="frozen reference model; unset: a copy of --pretrain")
+    ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_dpo")
     learning_rate: float = _learning_rate(1e-5)
     max_len: int | None = _max_len(512)
     beta: float = Field(0.1, gt=0, description="strength of the implicit KL constraint to the reference")
@@ -411,9 +427,9 @@ class KTOConfig(SupervisedKeys, PreferenceKeys, OfflineTrainingConfig):
     --rejected_key columns, preference pairs that are split into one desirable and one undesirable row each.
     """
 
-    pretrain: str | None = Field(None, description="policy to train, usually the SFT model")
-    ref_pretrain: str | None = Field(None, description="frozen reference model; unset: a copy of --pretrain")
-    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_kto")
+    pretrain: PolicyPath = Field(None, description="policy to train, usually the SFT model")
+    ref_pretrain: PolicyPath = Field(None, description="frozen reference model; unset: a copy of --pretrain")
+    ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_kto")
     learning_rate: float = _learning_rate(1e-5)
     label_key: str = Field("label", description="dataset column saying whether the response is desirable (bool)")
     beta: float = Field(0.01, gt=0, description="strength of the implicit KL constraint to the reference")
@@ -433,13 +449,13 @@ class KTOConfig(SupervisedKeys, PreferenceKeys, OfflineTrainingConfig):
 class RLConfig(TrainingConfig, PromptConfig):
     """Online RL (PPO, GRPO, RLOO, REINFORCE++ ...) with Ray roles: `python -m stages.rl` (OpenRLHF's train_ppo_ray)."""
 
-    pretrain: str | None = Field(None, description="initial actor (policy)")
-    ref_pretrain: str | None = Field(None, description="frozen reference model for the KL term; unset: --pretrain")
-    critic_pretrain: str | None = Field(
+    pretrain: PolicyPath = Field(None, description="initial actor (policy)")
+    ref_pretrain: PolicyPath = Field(None, description="frozen reference model for the KL term; unset: --pretrain")
+    critic_pretrain: ScorerPath = Field(
         None, description="initial critic for gae; unset: --reward_pretrain, or --pretrain with --remote_rm_url",
     )
-    ckpt_path: str = _ckpt_path("./ckpt/checkpoints_ppo_ray")
-    eval_split: str = _eval_split("train")
+    ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_ppo_ray")
+    eval_split: Annotated[str, NOT_TRAINING] = _eval_split("train")
     max_len: int | None = Field(
         None, ge=2,
         description="prompt + response token budget: each response stops at max_len - prompt length (and at "
@@ -459,13 +475,16 @@ class RLConfig(TrainingConfig, PromptConfig):
     colocate_actor_ref: bool = Field(False, description="actor and reference model share GPUs")
     colocate_critic_reward: bool = Field(False, description="critic and reward model share GPUs")
     colocate_all_models: bool = Field(False, description="all models and the vLLM engines share GPUs (hybrid engine)")
-    vllm_enable_sleep: bool = Field(
+    vllm_enable_sleep: Annotated[bool, GpuOnly(False, "vLLM's sleep mode releases GPU memory; CPU engines keep "
+                                                      "theirs")] = Field(
         False, description="vLLM engines release GPU memory while the models train (needs --colocate_all_models)",
     )
-    deepspeed_enable_sleep: bool = Field(
+    deepspeed_enable_sleep: Annotated[bool, GpuOnly(False, "it moves optimizer states off the GPU between phases; on "
+                                                           "CPU they already are")] = Field(
         False, description="DeepSpeed models release GPU memory while vLLM generates (needs --colocate_all_models)",
     )
-    vllm_sync_backend: Literal["nccl", "gloo"] = Field(
+    vllm_sync_backend: Annotated[Literal["nccl", "gloo"], GpuOnly("gloo", "NCCL needs GPUs; the weight sync uses "
+                                                                          "gloo on CPU")] = Field(
         "nccl",
         description="torch.distributed backend of the group that broadcasts the actor's weights to the rollout "
         "engines after each step (nccl on GPUs, gloo on CPU)",
@@ -728,11 +747,14 @@ class EvaluateConfig(RankLayout, PromptConfig):
     estimated on its own samples. Writes metrics.json and samples.jsonl.
     """
 
-    pretrain: str | None = Field(None, description="policy to evaluate (HF dir, hub name or s3:// URI)")
-    ref_pretrain: str | None = Field(
+    pretrain: PolicyPath = Field(None, description="policy to evaluate (HF dir, hub name or s3:// URI)")
+    prompt_data: Annotated[str | None, Dataset(split="prompt_split", held_out=True)] = Field(
+        None, description="held-out prompts: hub name, local json/jsonl/parquet or s3:// URI",
+    )
+    ref_pretrain: PolicyPath = Field(
         None, description="reference policy to compare with (KL, reward gain, accuracy); unset: no comparison",
     )
-    production_pretrain: str | None = Field(
+    production_pretrain: PolicyPath = Field(
         None, description="the policy in production, scored on the same prompts (production_* metrics); unset: none",
     )
     num_gpus_per_node: int = Field(
@@ -749,157 +771,20 @@ STAGE_CONFIGS: dict[str, type[StageConfig]] = {
     "rl": RLConfig,
     "evaluate": EvaluateConfig,
 }
+# The stages that train on a fixed dataset, as opposed to RL and the evaluation, which read prompts.
+OFFLINE_STAGES = tuple(stage for stage, cls in STAGE_CONFIGS.items() if issubclass(cls, OfflineTrainingConfig))
 
 
-# ---------------------------------------------------------------- pipeline shapes
-#
-# A pipeline runs the stages of its shape in order and always ends with the evaluation. Which stage's output fills
-# which field of a later stage is one table: a field keeps the value its section gives (a model named in the preset)
-# only when none of its producers is in the shape.
-
-PIPELINE_SHAPES: dict[str, tuple[str, ...]] = {
-    "sft-rm-rl": ("sft", "reward_model", "rl", "evaluate"),  # RL against a reward model trained on preferences
-    "sft-rl": ("sft", "rl", "evaluate"),  # RL with a reward function (or a reward model named in rl:)
-    "sft-dpo": ("sft", "dpo", "evaluate"),
-    "sft-kto": ("sft", "kto", "evaluate"),
-    "rm-rl": ("reward_model", "rl", "evaluate"),  # the same without SFT: start from an instruct model
-    "rl": ("rl", "evaluate"),
-    "dpo": ("dpo", "evaluate"),
-    "kto": ("kto", "evaluate"),
+STAGE_CONFIGS: dict[str, type[StageConfig]] = {
+    "sft": SFTConfig,
+    "reward_model": RewardModelConfig,
+    "dpo": DPOConfig,
+    "kto": KTOConfig,
+    "rl": RLConfig,
+    "evaluate": EvaluateConfig,
 }
-PipelineShape = Literal[tuple(PIPELINE_SHAPES)]  # type: ignore[valid-type]
-# The stages whose output is the candidate policy; a shape has exactly one.
-POLICY_STAGES = ("rl", "dpo", "kto")
-# (stage, field) <- the stages whose output fills it, the first one in the shape winning.
-STAGE_INPUTS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("reward_model", "pretrain"): ("sft",),  # the reward model starts from the SFT model
-    ("rl", "pretrain"): ("sft",),  # the policy starts from the SFT model
-    ("rl", "reward_pretrain"): ("reward_model",),
-    ("dpo", "pretrain"): ("sft",),
-    ("kto", "pretrain"): ("sft",),
-    ("evaluate", "pretrain"): POLICY_STAGES,  # the candidate
-    ("evaluate", "ref_pretrain"): ("sft",),  # what the candidate started from
-    ("evaluate", "reward_pretrain"): ("reward_model",),
-}
-# (stage, field) <- tiny asset that fills it when the config leaves it unset, no stage feeds it and tiny_assets_dir
-# is set. "rule_reward" is the tiny task's reward function (stages/tiny_reward.py).
-TINY_ASSET_FIELDS: dict[tuple[str, str], str] = {
-    ("sft", "pretrain"): "model",
-    ("sft", "dataset"): "sft_train",
-    ("sft", "eval_dataset"): "sft_eval",
-    ("reward_model", "pretrain"): "model",
-    ("reward_model", "dataset"): "pref_train",
-    ("reward_model", "eval_dataset"): "pref_eval",
-    ("dpo", "pretrain"): "model",
-    ("dpo", "dataset"): "pref_train",
-    ("dpo", "eval_dataset"): "pref_eval",
-    ("kto", "pretrain"): "model",
-    ("kto", "dataset"): "kto_train",
-    ("kto", "eval_dataset"): "kto_eval",
-    ("rl", "pretrain"): "model",
-    ("rl", "prompt_data"): "prompts_train",
-    ("rl", "remote_rm_url"): "rule_reward",
-    ("evaluate", "ref_pretrain"): "model",
-    ("evaluate", "prompt_data"): "prompts_eval",
-    ("evaluate", "remote_rm_url"): "rule_reward",
-}
-
-
-def shape_inputs(shape: str) -> dict[str, dict[str, str]]:
-    """{stage: {field: producing stage}} for every stage of `shape`, in run order."""
-    stages = PIPELINE_SHAPES[shape]
-    wiring: dict[str, dict[str, str]] = {stage: {} for stage in stages}
-    for (stage, field), producers in STAGE_INPUTS.items():
-        producer = next((p for p in producers if p in stages), None)
-        if stage in stages and producer is not None:
-            wiring[stage][field] = producer
-    return wiring
-
-
-def policy_stage(shape: str) -> str:
-    """The stage of `shape` whose output is the candidate policy."""
-    (stage,) = [s for s in PIPELINE_SHAPES[shape] if s in POLICY_STAGES]
-    return stage
-
-
-class PromotionGate(_Strict):
-    """What the evaluation must show for the candidate policy to become `production`.
-
-    A comparison applies when the report has both of its metrics: accuracy needs a reward function
-    (evaluate.remote_rm_url), reward_mean a reward model. At least one comparison with the reference must apply;
-    the production comparisons apply when a production policy exists (it is scored on the same prompts).
-    """
-
-    min_reward_gain: float = Field(
-        0.0, description="reward_mean − reference_reward_mean must be greater than this (reward-model score)",
-    )
-    min_accuracy_gain: float = Field(0.0, description="accuracy − reference_accuracy must be at least this")
-    max_kl_mean: float | None = Field(
-        None, gt=0, description="upper bound on kl_mean (candidate vs reference); unset: only finite is required",
-    )
-    max_reward_regression: float = Field(
-        0.05, ge=0,
-        description="tolerance against production: production_reward_mean − reward_mean may be at most this",
-    )
-    max_accuracy_regression: float = Field(
-        0.01, ge=0, description="tolerance against production: production_accuracy − accuracy may be at most this",
-    )
-
-
-class PipelineConfig(_Strict):
-    """One full-rlhf run (the stages of its shape, then evaluation and the gate) and where its artifacts go; a
-    preset's schema."""
-
-    name: str = Field(
-        "rlhf", pattern=r"^[a-z0-9][a-z0-9-]*$",
-        description="pipeline name: artifact namespace (lowercase letters, digits, dashes)",
-    )
-    artifact_root: str = Field("./artifacts", description="artifact store root: a path, file:// or s3://bucket/prefix")
-    tiny_assets_dir: str | None = Field(
-        None, description="build the tiny model and datasets here and use them for every model/data path left unset",
-    )
-    shape: PipelineShape = Field(
-        "sft-rm-rl",
-        description="stages to run, in order, before the evaluation: sft-rm-rl, sft-rl (RL with a reward function), "
-        "sft-dpo, sft-kto, or the same without sft- (start from the instruct model the section names)",
-    )
-    gate: PromotionGate = Field(
-        default_factory=PromotionGate, description="what the evaluation must show for the policy to be promoted",
-    )
-    sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage")
-    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="reward model stage")
-    rl: RLConfig = Field(default_factory=RLConfig, description="RL stage")
-    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="evaluation stage")
-    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage (shapes sft-dpo and dpo)")
-    kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage (shapes sft-kto and kto)")
-
-    @property
-    def stages(self) -> tuple[str, ...]:
-        """The stages this pipeline runs, in order."""
-        return PIPELINE_SHAPES[self.shape]
-
-    def section(self, stage: str) -> StageConfig:
-        return getattr(self, stage)
-
-    @model_validator(mode="after")
-    def _inputs_available(self) -> PipelineConfig:
-        # A stage's required inputs come from an earlier stage of the shape, its section, or the tiny assets.
-        wiring = shape_inputs(self.shape)
-        missing = []
-        for stage in self.stages:
-            section = self.section(stage)
-            groups = [*type(section).required_inputs, *((("ref_pretrain",),) if stage == "evaluate" else ())]
-            for group in groups:
-                if any(field in wiring[stage] or getattr(section, field) is not None for field in group):
-                    continue
-                if self.tiny_assets_dir is not None and any((stage, f) in TINY_ASSET_FIELDS for f in group):
-                    continue
-                missing.append(" or ".join(f"{stage}.{field}" for field in group))
-        if missing:
-            source = "no tiny_assets_dir" if self.tiny_assets_dir is None else "the tiny assets do not either"
-            raise ValueError(f"{', '.join(missing)} unset: no stage of shape {self.shape!r} provides "
-                             f"{'it' if len(missing) == 1 else 'them'}, and {source}")
-        return self
+# The stages that train on a fixed dataset, as opposed to RL and the evaluation, which read prompts.
+OFFLINE_STAGES = tuple(stage for stage, cls in STAGE_CONFIGS.items() if issubclass(cls, OfflineTrainingConfig))
 
 
 # ---------------------------------------------------------------- presets
@@ -921,7 +806,7 @@ def preset_path(name_or_path: str) -> Path:
     return path
 
 
-def _read_yaml_mapping(path: Path) -> dict:
+def read_yaml_mapping(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
@@ -931,184 +816,28 @@ def _read_yaml_mapping(path: Path) -> dict:
     return data
 
 
-def _is_stage_file(data: dict) -> bool:
-    """A YAML file holds either a preset (pipeline keys, stage sections) or one stage's flags at the top level."""
-    return bool(data) and not set(data) & set(PipelineConfig.model_fields)
-
-
-def load_preset(name_or_path: str) -> dict:
-    """The preset as a dict: pipeline keys plus one section per stage (an empty section when absent or null)."""
-    path = preset_path(name_or_path)
-    data = _read_yaml_mapping(path)
-    unknown = sorted(set(data) - set(PipelineConfig.model_fields))
-    if unknown:
-        raise ConfigError(
-            f"{path}: unknown keys {', '.join(unknown)}; expected stage sections ({', '.join(STAGE_CONFIGS)}) "
-            f"or pipeline keys ({', '.join(k for k in PipelineConfig.model_fields if k not in STAGE_CONFIGS)})"
-        )
+def preset_sections(path: Path, data: dict) -> dict[str, dict]:
+    """The stage sections of a preset's data, an empty one for each stage it leaves out (or sets to null)."""
+    sections = {}
     for stage in STAGE_CONFIGS:
         section = data.get(stage)
-        if section is None:
-            data[stage] = {}
-        elif not isinstance(section, dict):
+        if section is not None and not isinstance(section, dict):
             raise ConfigError(f"{path}: section {stage!r} must be a mapping of flag names to values")
-    return data
+        sections[stage] = section or {}
+    return sections
 
 
-def load_pipeline_config(name_or_path: str, overrides: dict | None = None) -> PipelineConfig:
-    """A preset with `overrides` merged into it (nested dicts merge, e.g. {"rl": {"seed": 1}}), validated."""
-    return validate_pipeline(_deep_merge(load_preset(name_or_path), overrides or {}), str(preset_path(name_or_path)))
+def stage_values(name_or_path: str, stage: str) -> tuple[dict, str, str]:
+    """(values, file, key prefix) of `stage` from --config: a preset's `stage:` section, or the whole file when it
+    holds one stage's flags at the top level (no stage section in it)."""
+    path = preset_path(name_or_path)
+    data = read_yaml_mapping(path)
+    if data and not set(data) & set(STAGE_CONFIGS):
+        return data, str(path), ""
+    return preset_sections(path, data)[stage], str(path), f"{stage}."
 
 
-def validate_pipeline(data: dict, where: str) -> PipelineConfig:
-    """`data` as a PipelineConfig; ConfigError naming `where` and each failing stage.field otherwise."""
-    try:
-        return PipelineConfig.model_validate(data)
-    except ValidationError as error:
-        lines = _error_lines(error, lambda loc: ".".join(str(part) for part in loc))
-        raise ConfigError(f"{where}: " + "; ".join(lines)) from error
-
-
-def _deep_merge(base: dict, overrides: dict) -> dict:
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-# ---------------------------------------------------------------- command line
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Wraps help text only at spaces, so flag names and numbers in descriptions stay whole."""
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
-def build_parser(model_cls: type[BaseModel], prog: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per field of `model_cls`, plus --config.
-
-    Unset flags stay out of the namespace, so that a preset's values are only overridden by flags actually given.
-    """
-    stage = next((name for name, cls in STAGE_CONFIGS.items() if cls is model_cls), None)
-    parser = argparse.ArgumentParser(
-        prog=prog or (f"python -m stages.{stage}" if stage else None),
-        usage="%(prog)s [--config PRESET_OR_YAML] [--FLAG VALUE ...] (--help lists every flag)",
-        description=(model_cls.__doc__ or "").strip(),
-        allow_abbrev=False,
-        formatter_class=_HelpFormatter,
-    )
-    section = f"its {stage}: section" if stage else "its section for this stage"
-    parser.add_argument(
-        "--config", default=None, metavar="PRESET_OR_YAML",
-        help=f"preset ({', '.join(preset_names())}) or YAML path; {section} (or a YAML of this stage's flags "
-        "alone) is the base that flags override",
-    )
-    for name, field in model_cls.model_fields.items():
-        _add_field_flag(parser, name, field.annotation, field.default, field.description or "")
-    return parser
-
-
-def _add_field_flag(
-    parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, description: str
-) -> None:
-    kind, choices, nargs, optional = _cli_shape(name, annotation)
-    help_text = description.replace("%", "%%")
-    if kind is bool:
-        parser.add_argument(f"--{name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
-        if not name.startswith("no_"):
-            parser.add_argument(
-                f"--no_{name}", dest=name, action="store_false", default=argparse.SUPPRESS,
-                help=f"turn off --{name} (when a preset turns it on)",
-            )
-        return
-    shown = ("unset" if default is None else " ".join(map(str, default)) if isinstance(default, (tuple, list))
-             else default)
-    convert: Any = kind
-    if optional and nargs is None and choices is None:
-        convert = _or_none(kind)
-        help_text += "; 'none' unsets it"
-    parser.add_argument(
-        f"--{name}", type=convert, choices=choices, nargs=nargs, default=argparse.SUPPRESS,
-        metavar=None if choices else name.upper(), help=f"{help_text} (default: {shown})",
-    )
-
-
-def _or_none(kind: type) -> Any:
-    """The flag's value type, where the word 'none' unsets the field (e.g. a model path a preset sets)."""
-
-    def convert(text: str) -> Any:
-        return None if text.lower() == "none" else kind(text)
-
-    convert.__name__ = kind.__name__  # argparse names the type in "invalid int value"
-    return convert
-
-
-def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | str | None, bool]:
-    """(value type, choices, nargs, optional) of a field's flag."""
-    optional = False
-    if get_origin(annotation) in (Union, types.UnionType):
-        options = [arg for arg in get_args(annotation) if arg is not type(None)]
-        if len(options) != 1:
-            raise TypeError(f"field {name}: no command-line form for {annotation!r}")
-        annotation, optional = options[0], True
-    if get_origin(annotation) is Literal:
-        values = get_args(annotation)
-        return type(values[0]), values, None, optional
-    if get_origin(annotation) is tuple:
-        items = get_args(annotation)
-        return items[0], None, len(items), optional
-    if get_origin(annotation) is list:
-        return get_args(annotation)[0], None, "+", optional
-    if annotation in (bool, int, float, str):
-        return annotation, None, None, optional
-    raise TypeError(f"field {name}: no command-line form for {annotation!r}")
-
-
-def parse_stage_args(stage: str, argv: list[str] | None = None, *, require_inputs: bool = True) -> StageConfig:
-    """The `stage:` section of --config (or the whole file, when it holds only this stage's flags) overridden by
-    the flags in argv, validated.
-
-    Exits with code 2 and a message naming the flags on unknown flags, invalid values, impossible combinations
-    and (with require_inputs) unset required inputs such as --pretrain.
-    """
-    if stage not in STAGE_CONFIGS:
-        raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGE_CONFIGS)}")
-    model_cls = STAGE_CONFIGS[stage]
-    parser = build_parser(model_cls)
-    flags = vars(parser.parse_args(argv))
-    config = flags.pop("config")
-    values: dict[str, Any] = {}
-    where = prefix = ""  # the file that values not given as flags come from, and their key prefix there
-    if config is not None:
-        try:
-            path = preset_path(config)
-            data = _read_yaml_mapping(path)
-            stage_file = _is_stage_file(data)
-            values = data if stage_file else load_preset(config)[stage]
-        except ConfigError as error:
-            parser.error(str(error))
-        where, prefix = str(path), ("" if stage_file else f"{stage}.")
-    values.update(flags)
-
-    def name_of(loc: tuple) -> str:
-        field = str(loc[0])
-        return f"--{field}" if field in flags or not where else f"{prefix}{field} in {where}"
-
-    try:
-        cfg = model_cls.model_validate(values)
-    except ValidationError as error:
-        parser.error("\n".join(_error_lines(error, name_of)))
-    missing = cfg.missing_inputs() if require_inputs else []
-    if missing:
-        parser.error(f"missing required {', '.join(missing)}")
-    return cfg
-
-
-def _error_lines(error: ValidationError, name_of: Callable[[tuple], str]) -> list[str]:
+def validation_messages(error: ValidationError, name_of: Callable[[tuple], str]) -> list[str]:
     """One line per validation error, naming the flag (or preset key) and the reason."""
     lines = []
     for item in error.errors():
@@ -1120,15 +849,3 @@ def _error_lines(error: ValidationError, name_of: Callable[[tuple], str]) -> lis
         else:
             lines.append(f"invalid value for {name_of(loc)}: {message}")
     return lines
-
-
-def config_hash(cfg: BaseModel) -> str:
-    """sha256 of the canonical JSON of a resolved config, leaving out output locations and --local_rank."""
-    canonical = json.dumps(_without_unhashed(cfg.model_dump(mode="json")), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _without_unhashed(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _without_unhashed(item) for key, item in value.items() if key not in UNHASHED_FIELDS}
-    return value

@@ -36,6 +36,7 @@ from datasets.download import DownloadConfig
 from pandera.errors import SchemaErrors
 
 from infra.artifacts import storage_options_from_env
+from stages.errors import DataValidationError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,10 +47,6 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # "data/train.jsonl@test" or "org/name@validation[:100]": a split name, optionally sliced, after the last "@".
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
 _MAX_LISTED_ROWS = 50
-
-
-class DataValidationError(ValueError):
-    """Bad or unreadable data; the message names the file, every failed check and the row numbers."""
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -362,6 +359,18 @@ def validate_prompts(ds: datasets.Dataset, source: str, input_key: str, label_ke
         flags[label_key] = "--label_key"
     _validate("prompt", prompt_schema(input_key, label_key, apply_chat_template=apply_chat_template), ds, source,
               flags)
+
+
+def validate_sources(cfg, validate: Callable[[datasets.Dataset, str], None]) -> None:
+    """Load and validate --dataset and --eval_dataset in a stage's driver, so bad data fails before any rank trains."""
+    for source, split in ((cfg.dataset, cfg.dataset_split), (cfg.eval_dataset, cfg.eval_split)):
+        if source is not None:
+            validate(load_rows(source, split=split, max_samples=cfg.max_samples), source)
+
+
+def validate_prompt_rows(cfg, rows: datasets.Dataset, source: str) -> None:
+    """`validate_prompts` with the columns and template of an RL or evaluation config."""
+    validate_prompts(rows, source, cfg.input_key, cfg.label_key, apply_chat_template=cfg.apply_chat_template)
 
 
 def validate_kto(ds: datasets.Dataset, source: str, input_key: str, output_key: str, label_key: str, *,

@@ -89,14 +89,22 @@ class RankWorker:
             # gloo's own listeners follow the hostname's address unless told the interface.
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
 
-    def init_process_group(self) -> None:
-        import deepspeed
+    def init_process_group(self, deepspeed: bool = True) -> None:
+        """Join the ranks' process group: through DeepSpeed for a rank that trains or shards with it, plain
+        torch.distributed otherwise (a frozen model need not pay DeepSpeed's import)."""
         import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        if not deepspeed:
+            dist.init_process_group(backend)
+            return
+        import deepspeed as ds
 
         if self.device == "cpu":
             skip_deepspeed_shm_comm()
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if self.device == "cuda" else "gloo")
+        ds.init_distributed(dist_backend=backend)
 
 
 def skip_deepspeed_shm_comm() -> None:

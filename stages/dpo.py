@@ -17,7 +17,7 @@ from stages import algorithms as algo
 from stages import data
 from stages.launch import run_rank_group, stage_main
 from stages.reward_model import pair_sequences
-from stages.trainer import ReferenceStepTrainer, validate_sources
+from stages.trainer import ReferenceStepTrainer
 
 
 def validate_rows(cfg, rows, source: str) -> None:
@@ -102,8 +102,7 @@ class DPOWorker(ReferenceStepTrainer):
 
 
 def run(cfg) -> dict:
-    validate_sources(cfg, lambda rows, source: validate_rows(cfg, rows, source))
-    return run_rank_group("dpo", DPOWorker, cfg)
+    return run_rank_group("dpo", DPOWorker, cfg, lambda rows, source: validate_rows(cfg, rows, source))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ import json
 import os
 import random
 import shutil
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from stages.errors import StageInputError
+from stages.fields import Dataset, Launcher, NotTraining, Output, fields_with, names_with
 
 
 def seed_everything(seed: int) -> None:
@@ -133,14 +135,6 @@ def global_loss_scale(engine) -> float:
 
 LATEST_MARKER = "latest_step.json"
 FINGERPRINT_FILE = "fingerprint.json"
-# Fields that do not change what is trained: outputs, logging, evaluation, checkpoint cadence, the resume switch.
-NOT_TRAINING_FIELDS = frozenset({
-    "save_path", "ckpt_path", "local_rank", "logging_steps", "save_steps", "eval_steps", "max_ckpt_num",
-    "eval_dataset", "eval_split", "use_tensorboard", "use_wandb", "wandb_project", "wandb_run_name",
-    "load_checkpoint",
-})
-# Dataset fields whose content (not just path) a checkpoint depends on, with the field naming their split.
-DATASET_FIELDS = {"dataset": "dataset_split", "prompt_data": "prompt_split"}
 
 
 def step_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
@@ -156,12 +150,15 @@ def latest_checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
 
 
 def training_fingerprint(stage: str, cfg) -> dict[str, Any]:
-    """What a run trains: its stage, every config field that changes training, and its datasets' contents."""
+    """What a run trains: its stage, every config field that changes training (not outputs, logging, evaluation,
+    checkpoint cadence or the resume switch: stages/fields.py), and the contents of the datasets it trains on."""
     from stages.fingerprint import dataset_fingerprint
 
     values = cfg.model_dump(mode="json")
-    data = {field: dataset_fingerprint(values[field]) for field in DATASET_FIELDS if values.get(field)}
-    config = {key: value for key, value in values.items() if key not in NOT_TRAINING_FIELDS}
+    ignored = names_with(type(cfg), NotTraining, Output, Launcher)
+    data = {field: dataset_fingerprint(values[field]) for field in fields_with(type(cfg), Dataset)
+            if field not in ignored and values.get(field)}
+    config = {key: value for key, value in values.items() if key not in ignored}
     return {"stage": stage, "config": config, "data": data}
 
 
@@ -188,8 +185,6 @@ def claim_checkpoints(stage: str, cfg, *, write: bool = True) -> int:
     asks to resume from them anyway; then the directory is claimed by this run. Under a launcher every rank
     checks; only the one with `write` claims.
     """
-    from stages.launch import StageInputError
-
     ckpt_dir = Path(cfg.ckpt_path)
     fingerprint = training_fingerprint(stage, cfg)
     step = latest_checkpoint_step(ckpt_dir)
@@ -252,21 +247,6 @@ def load_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, tag: str = "
     return client_state or {}
 
 
-def gathered_state_dict(engine_or_model) -> dict[str, torch.Tensor]:
-    """Full (unsharded) weights as CPU tensors, on every rank; ZeRO-3 parameters are gathered first."""
-    module = getattr(engine_or_model, "module", engine_or_model)
-    params = list(module.parameters())
-    zero3 = any(hasattr(p, "ds_id") for p in params)
-    if zero3:
-        import deepspeed
-
-        context = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    else:
-        context = nullcontext()
-    with context:
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
-
-
 def export_hf(engine_or_model, tokenizer, out_dir: str | os.PathLike, extra_config: dict | None = None) -> None:
     """Write the model in HF format (safetensors + tokenizer) from rank 0; all ranks must call (ZeRO-3 gathers).
 
@@ -292,7 +272,3 @@ def write_metrics(save_path: str | os.PathLike, metrics: dict) -> None:
     tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
     os.replace(tmp, path / "metrics.json")
 
-
-def fault_injection_requested(stage: str) -> bool:
-    """Test-only switch: RLHF_FAULT_INJECT=<stage>:after_checkpoint crashes a stage after its first checkpoint."""
-    return os.environ.get("RLHF_FAULT_INJECT", "") == f"{stage}:after_checkpoint"

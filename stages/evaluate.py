@@ -25,11 +25,13 @@ import torch
 from ray.util.placement_group import placement_group
 
 from stages import data
+from stages.data import validate_prompt_rows as validate_rows
 from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
-from stages.launch import stage_main
+from stages.launch import note_cpu_limits, stage_main
+from stages.placement import bundle_resources, group_bundles
 from stages.rewards import load_reward_source
-from stages.roles import RewardModelWorker, bundle_resources
+from stages.roles import RewardModelWorker
 from stages.rollout import Rollout, create_rollout_engines, generate_across
 from stages.sequences import build_sequences, split_rows
 from stages.tracking import StepLog
@@ -140,8 +142,7 @@ def run(cfg) -> dict[str, Any]:
     from stages.model_io import load_tokenizer, resolve_model_path
 
     rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key,
-                          apply_chat_template=cfg.apply_chat_template)
+    validate_rows(cfg, rows, cfg.prompt_data)
     models = {"policy": cfg.pretrain, "reference": cfg.ref_pretrain, "production": cfg.production_pretrain}
     models = {name: resolve_model_path(path) for name, path in models.items() if path}
     tokenizer = load_tokenizer(models["policy"])
@@ -150,11 +151,12 @@ def run(cfg) -> dict[str, Any]:
                                          prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
     init_ray()
     device = cluster_device(cfg.device)
-    engine_bundles = cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
-    bundle = bundle_resources(device, engine_bundles + (cfg.world_size if cfg.reward_pretrain else 0))
+    note_cpu_limits("evaluate", cfg, device)
+    bundles = group_bundles("evaluate", cfg)
+    bundle = bundle_resources("evaluate", device, sum(bundles.values()), ray.cluster_resources().get("CPU", 1))
     reward_group = None
     if cfg.reward_pretrain:
-        group = placement_group([dict(bundle) for _ in range(cfg.world_size)], strategy="PACK")
+        group = placement_group([dict(bundle) for _ in range(bundles["reward"])], strategy="PACK")
         ray.get(group.ready())
         reward_group = ActorGroup(RewardModelWorker, cfg.world_size, device, name="reward",
                                   placement=Placement(group, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),

@@ -22,7 +22,7 @@ from stages import algorithms as algo
 from stages import data
 from stages.dpo import response_sums
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import ReferenceStepTrainer, validate_sources
+from stages.trainer import ReferenceStepTrainer
 
 
 def is_paired(cfg, rows) -> bool:
@@ -144,8 +144,7 @@ def run(cfg) -> dict:
                   "unpaired samples (--input_key, --output_key, --label_key)")
         print(f"[kto] {source}: {layout}", flush=True)
 
-    validate_sources(cfg, validate)
-    return run_rank_group("kto", KTOWorker, cfg)
+    return run_rank_group("kto", KTOWorker, cfg, validate)
 
 
 if __name__ == "__main__":

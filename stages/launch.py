@@ -1,8 +1,5 @@
-"""How a stage entrypoint starts its ranks and reports: Ray actor group (default) or an external launcher.
-
-Exit codes are part of the stage contract: 0 success, 2 config or data error (a retry cannot fix it),
-3 test-only fault injection, 4 another process is writing the same checkpoint/output directory, anything else
-a failure that a retry may fix.
+"""How a stage entrypoint starts its ranks and reports: Ray actor group (default) or an external launcher, the
+writer lock of its workspace, and the exit codes of stages/errors.py.
 """
 
 from __future__ import annotations
@@ -18,26 +15,23 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-EXIT_CONFIG_ERROR = 2
-EXIT_FAULT_INJECTED = 3
-EXIT_WORKSPACE_BUSY = 4
+from stages.errors import EXIT_CONFIG_ERROR, EXIT_WORKSPACE_BUSY, StageInputError, WorkspaceBusy
+from stages.fields import cpu_notes
 
 
-class StageInputError(ValueError):
-    """A problem with the stage's configuration or data (or a run that diverges on them): a retry cannot fix it."""
-
-
-def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
-    """Run `setup` then `fit` on every rank; returns rank 0's result."""
+def run_rank_group(stage: str, worker_cls: type, cfg, validate: Callable[[Any, str], None]) -> dict[str, Any]:
+    """Check the data with `validate(rows, source)`, then run `setup` and `fit` on every rank; returns rank 0's
+    result. On Ray the ranks start while this process reads the data."""
     import ray
     import torch
 
+    from stages.data import validate_sources
     from stages.distributed import ActorGroup, cluster_device, cpu_threads, init_ray, launched_by_torch_launcher
-    from stages.engine import claim_checkpoints, fault_injection_requested
+    from stages.engine import claim_checkpoints
 
-    fault = fault_injection_requested(stage)
     config_cls = type(cfg)
     if launched_by_torch_launcher():
+        validate_sources(cfg, validate)
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         # The launcher already set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT for this process, and passes
         # --local_rank: the GPU of this rank.
@@ -47,25 +41,32 @@ def run_rank_group(stage: str, worker_cls: type, cfg) -> dict[str, Any]:
         if rank == 0 and world_size != cfg.world_size:
             print(f"[{stage}] --num_nodes {cfg.num_nodes} × --num_gpus_per_node {cfg.num_gpus_per_node} = "
                   f"{cfg.world_size} ranks ignored: the launcher started {world_size}", flush=True)
+        if rank == 0:
+            note_cpu_limits(stage, cfg, device)
         start_step = claim_checkpoints(stage, cfg, write=rank == 0) if cfg.ckpt_path else 0
         worker = worker_cls(rank, world_size, device)
         worker.setup(cfg.model_dump(), config_cls)
-        return worker.fit(start_step, fault)
+        return worker.fit(start_step)
     start_step = claim_checkpoints(stage, cfg) if cfg.ckpt_path else 0
     init_ray()
     device = cluster_device(cfg.device)
+    note_cpu_limits(stage, cfg, device)
     group = ActorGroup(worker_cls, cfg.world_size, device, name=stage, threads=cpu_threads(cfg.num_gpus_per_node))
-    ray.get(group.rendezvous())
     try:
+        validate_sources(cfg, validate)
+        ray.get(group.rendezvous())
         info = group.run("setup", cfg.model_dump(), config_cls)[0]
         print(f"[{stage}] {group.world_size} ranks on {device}: {json.dumps(info)}", flush=True)
-        return group.run("fit", start_step, fault)[0]
+        return group.run("fit", start_step)[0]
     finally:
         group.shutdown()
 
 
-class WorkspaceBusy(RuntimeError):
-    """Another live process holds the writer lock of this stage's checkpoint/output directory."""
+def note_cpu_limits(stage: str, cfg, device: str) -> None:
+    """Say once which flags of `cfg` cannot act on this device, and why (the fields' GpuOnly declarations)."""
+    if device == "cpu":
+        for note in cpu_notes(cfg):
+            print(f"[{stage}] {note}", flush=True)
 
 
 def writer_lock_path(save_path: str, ckpt_path: str | None) -> Path:
@@ -113,8 +114,7 @@ def writer_lock(lock_path: Path) -> Iterator[None]:
 
 def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str] | None = None) -> None:
     """Parse the stage's flags, run `body(cfg)` holding the writer lock (rank 0), map failures to exit codes."""
-    from stages.config import parse_stage_args
-    from stages.data import DataValidationError
+    from stages.cli import parse_stage_args
     from stages.tracking import silence_known_noise
 
     cfg = parse_stage_args(stage, argv)
@@ -127,7 +127,7 @@ def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str
     except WorkspaceBusy as error:
         print(f"[{stage}] error: {error}", file=sys.stderr, flush=True)
         sys.exit(EXIT_WORKSPACE_BUSY)
-    except (DataValidationError, StageInputError) as error:
+    except StageInputError as error:
         # Raised in a rank actor, it arrives wrapped in Ray's error (also an instance of its class): show its own
         # message, not the remote traceback.
         print(f"[{stage}] error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)
@@ -135,9 +135,5 @@ def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str
     except Exception:
         traceback.print_exc()
         sys.exit(1)
-    if result.get("fault_injected"):
-        print(f"[{stage}] fault injected after the checkpoint of step {result['step']} (RLHF_FAULT_INJECT)",
-              file=sys.stderr, flush=True)
-        sys.exit(EXIT_FAULT_INJECTED)
     if os.environ.get("RANK", "0") == "0":  # under a launcher every rank gets here
         print(f"[{stage}] done: {json.dumps(result.get('metrics', {}), sort_keys=True)}", flush=True)

@@ -1,4 +1,7 @@
-"""Resolve, load and save Hugging Face models and tokenizers (hub names, local dirs, file://, s3://)."""
+"""Resolve, load and save Hugging Face models and tokenizers (hub names, local dirs, file://, s3://).
+
+transformers is imported by the functions that load models: resolving a path costs a stage no such import.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +13,15 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fsspec
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
 from infra.artifacts import storage_options_from_env
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,24 @@ def _download_s3_dir(uri: str) -> Path:
     return target
 
 
+# Tokenizer classes that AutoTokenizer would load as they are named (no Fast variant, no remote code): loaded
+# directly, they spare a process that only tokenizes transformers' model registry (seconds of imports).
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str | os.PathLike, padding_side: str = "right") -> PreTrainedTokenizerBase:
-    """Tokenizer from a hub name, directory or URI; pad token falls back to eos."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    """Tokenizer from a hub name, directory or URI, as AutoTokenizer loads it; pad token falls back to eos."""
+    local = resolve_model_path(path)
+    config_path = Path(local) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES and "auto_map" not in config:
+        import transformers
+
+        tokenizer = getattr(transformers, config["tokenizer_class"]).from_pretrained(local)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(local)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -101,10 +116,18 @@ def load_tokenizer(path: str | os.PathLike, padding_side: str = "right") -> PreT
     return tokenizer
 
 
+def attn_implementation(cfg, device: str) -> str | None:
+    """FlashAttention-2 with --flash_attn on CUDA; transformers' default (sdpa) otherwise. On CPU the flag cannot act
+    (the stage says so once, stages/fields.py)."""
+    return "flash_attention_2" if cfg.flash_attn and device == "cuda" else None
+
+
 def load_causal_lm(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
 ) -> PreTrainedModel:
     """AutoModelForCausalLM from a hub name, directory or URI."""
+    from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(
         resolve_model_path(path), dtype=dtype, attn_implementation=attn_implementation
     )
@@ -118,6 +141,8 @@ def load_value_model(
     The head is freshly initialised when `path` holds a plain causal LM. pad_token_id is set in the config
     because sequence classifiers score the last non-pad token and refuse batches without it.
     """
+    from transformers import AutoModelForSequenceClassification
+
     local = resolve_model_path(path)
     model = AutoModelForSequenceClassification.from_pretrained(
         local, num_labels=1, dtype=dtype, attn_implementation=attn_implementation

@@ -21,7 +21,7 @@ from stages import algorithms as algo
 from stages import data, packing
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, validate_sources
+from stages.trainer import StepTrainer
 
 MARGIN_COLUMN = "margin"  # OpenRLHF's column name for --margin_loss
 
@@ -62,10 +62,10 @@ class RewardModelWorker(StepTrainer):
     value_model = True
 
     def load_train_model(self, ds_config):
-        from stages.model_io import load_value_model
+        from stages.model_io import attn_implementation, load_value_model
 
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = self.attn_implementation()
+        attn = attn_implementation(self.cfg, self.device)
         model = load_for_zero(lambda: load_value_model(self.model_path, dtype=dtype, attn_implementation=attn),
                               ds_config)
         model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -126,8 +126,7 @@ class RewardModelWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    validate_sources(cfg, lambda rows, source: validate_rows(cfg, rows, source))
-    return run_rank_group("reward_model", RewardModelWorker, cfg)
+    return run_rank_group("reward_model", RewardModelWorker, cfg, lambda rows, source: validate_rows(cfg, rows, source))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.launch import StageInputError
+from stages.errors import StageInputError
 
 REMOTE_ATTEMPTS = 5
 BACKOFF_BASE_S = 0.5  # waits 0.5, 1, 2, 4 s between the attempts of one request

@@ -30,16 +30,15 @@ import ray
 import torch
 
 from stages import algorithms as algo
-from stages import data
 from stages import engine as ds
 from stages.distributed import cluster_device, init_ray
-from stages.launch import StageInputError, stage_main
+from stages.errors import StageInputError
+from stages.launch import note_cpu_limits, stage_main
 from stages.rewards import RewardBatch, load_reward_source
 from stages.roles import Roles
 from stages.rollout import Rollout, generate_across
-from stages.sequences import build_sequences, split_rows
+from stages.sequences import build_sequences, chunks, split_rows
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
-from stages.trainer import chunks
 
 # Phases that follow one another within a step; whatever else the step took is reported as idle.
 SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "training", "weight_sync", "evaluation",
@@ -336,46 +335,33 @@ def run(cfg) -> dict[str, Any]:
     import psutil
 
     from stages.config import RLConfig
-    from stages.model_io import load_tokenizer, resolve_model_path
+    from stages.model_io import resolve_model_path
 
     # From the start of this process to here: interpreter, imports, flag parsing.
     parts = {"imports": time.time() - psutil.Process().create_time()}
-    loading = time.perf_counter()
-
-    reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
-    rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    data.validate_prompts(rows, cfg.prompt_data, cfg.input_key, cfg.label_key,
-                          apply_chat_template=cfg.apply_chat_template)
-    eval_rows = None
-    if cfg.eval_dataset:
-        eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
-        data.validate_prompts(eval_rows, cfg.eval_dataset, cfg.input_key, cfg.label_key,
-                              apply_chat_template=cfg.apply_chat_template)
+    started = time.perf_counter()
     start_step = ds.claim_checkpoints("rl", cfg) if cfg.ckpt_path else 0
-    cfg.pretrain = resolve_model_path(cfg.pretrain)  # rank actors and engines then share one local copy
-    tokenizer = load_tokenizer(cfg.pretrain)
-    prompt_options = dict(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
-                          prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
-    prompts = data.build_prompt_examples(rows, tokenizer, **prompt_options)
-    eval_prompts = data.build_prompt_examples(eval_rows, tokenizer, **prompt_options) if eval_rows else []
-    total_steps = len(prompts) * cfg.num_episodes // cfg.rollout_batch_size
-    if total_steps == 0:
-        raise StageInputError(f"--prompt_data {cfg.prompt_data} has {len(prompts)} prompts, fewer than"
-                              f" --rollout_batch_size {cfg.rollout_batch_size} × --num_episodes {cfg.num_episodes}")
-    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
-    optimizer_steps = total_steps * cfg.max_epochs * samples_per_step // cfg.train_batch_size
-
-    parts["data"] = time.perf_counter() - loading
-    startup = time.perf_counter()
     init_ray()
     device = cluster_device(cfg.device)
-    note_device_limits(cfg, device)
-    parts["ray"] = time.perf_counter() - startup
+    note_cpu_limits("rl", cfg, device)
+    parts["ray"] = time.perf_counter() - started
     placed = time.perf_counter()
-    roles = Roles(cfg, device)
+    cfg.pretrain = resolve_model_path(cfg.pretrain)  # rank actors and engines then share one local copy
+    # The role processes and the engines start (and import what they need) while this process reads the data.
+    roles = Roles(cfg, device, RLConfig)
     parts["placement"] = time.perf_counter() - placed
     try:
-        parts.update(roles.start(RLConfig, optimizer_steps))
+        loading = time.perf_counter()
+        prompts, eval_prompts, reward_source, tokenizer = load_prompts(cfg)
+        total_steps = len(prompts) * cfg.num_episodes // cfg.rollout_batch_size
+        if total_steps == 0:
+            raise StageInputError(f"--prompt_data {cfg.prompt_data} has {len(prompts)} prompts, fewer than "
+                                  f"--rollout_batch_size {cfg.rollout_batch_size} × --num_episodes "
+                                  f"{cfg.num_episodes}")
+        samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        optimizer_steps = total_steps * cfg.max_epochs * samples_per_step // cfg.train_batch_size
+        parts["data"] = time.perf_counter() - loading
+        parts.update(roles.start(optimizer_steps))
         synced = time.perf_counter()
         sync_bytes = roles.open_weight_sync("nccl" if device == "cuda" and cfg.vllm_sync_backend == "nccl"
                                             else "gloo")
@@ -386,36 +372,44 @@ def run(cfg) -> dict[str, Any]:
         print(f"[rl] {device}: roles {cfg.role_ranks()} + {len(roles.engines)} engine(s); weight sync "
               f"{sync_bytes / 2**20:.1f} MiB in {len(roles.buckets)} bucket(s); start-up "
               + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()), flush=True)
-        parts["total"] = time.perf_counter() - startup + parts["imports"] + parts["data"]
+        parts["total"] = time.perf_counter() - started + parts["imports"]
         return train(cfg, roles, prompts, eval_prompts, scorer, start_step, total_steps, device == "cuda",
                      startup=parts)
     finally:
         roles.shutdown()
 
 
-def note_device_limits(cfg, device: str) -> None:
-    """Say once which flags cannot act on this device, and why."""
-    if device == "cuda":
-        return
-    notes = {
-        "vllm_enable_sleep": "vLLM's sleep mode releases GPU memory; CPU engines keep theirs",
-        "deepspeed_enable_sleep": "it moves optimizer states off the GPU between phases; on CPU they already are",
-        "flash_attn": "FlashAttention-2 has CUDA kernels only; CPU ranks use the default attention",
-    }
-    for flag, why in notes.items():
-        if getattr(cfg, flag):
-            print(f"[rl] --{flag} has no effect on CPU: {why}", flush=True)
-    if cfg.vllm_sync_backend == "nccl":
-        print("[rl] --vllm_sync_backend nccl needs GPUs: the weight sync uses gloo on CPU", flush=True)
-    if not cfg.enforce_eager and cfg.rollout_backend != "hf":
-        print("[rl] vLLM on CPU runs eagerly (--enforce_eager is implied): CUDA graphs exist on GPUs only",
-              flush=True)
+def validate_rows(cfg, rows, source: str) -> None:
+    """The prompt schema check (also the plan's for this stage)."""
+    from stages.data import validate_prompt_rows
+
+    validate_prompt_rows(cfg, rows, source)
+
+
+def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
+    """(training prompts, held-out prompts, the reward function or endpoints, the tokenizer), data validated.
+
+    The data libraries are imported here, once the role processes are starting, not before."""
+    from stages import data
+    from stages.model_io import load_tokenizer
+
+    reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
+    rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
+    validate_rows(cfg, rows, cfg.prompt_data)
+    eval_rows = None
+    if cfg.eval_dataset:
+        eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
+        validate_rows(cfg, eval_rows, cfg.eval_dataset)
+    tokenizer = load_tokenizer(cfg.pretrain)
+    prompt_options = dict(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
+                          prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
+    prompts = data.build_prompt_examples(rows, tokenizer, **prompt_options)
+    eval_prompts = data.build_prompt_examples(eval_rows, tokenizer, **prompt_options) if eval_rows else []
+    return prompts, eval_prompts, reward_source, tokenizer
 
 
 def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, start_step: int,
           total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
-    from stages.engine import fault_injection_requested
-
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     if start_step and roles.get("critic") is not None:
         roles.get("critic").run("load_checkpoint", start_step)
@@ -492,8 +486,6 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         record["time/idle"] = round(step_seconds - sum(record.get(f"time/{p}", 0.0) for p in SEQUENTIAL_PHASES), 4)
         record["time/step"] = round(step_seconds, 4)
         log.log(step + 1, record)
-        if saved and fault_injection_requested("rl") and start_step == 0:
-            return {"fault_injected": True, "step": step + 1}
 
     metrics = final_metrics(cfg, history, start_step, total_steps, started, startup, eval_initial, best)
     if stopped_early:

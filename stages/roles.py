@@ -1,16 +1,8 @@
-"""The models of the RL stage as Ray actor groups — actor, critic, reference, reward model — and where they run.
-
-Placement (OpenRLHF's flags):
-- separate (default): each model, and the rollout engines, on bundles of its own;
-- `--colocate_actor_ref`: actor and reference share bundles; `--colocate_critic_reward`: critic and reward model;
-- `--colocate_all_models` (hybrid engine): every model and the engines share the actor's bundles.
-Models sharing a bundle each take an equal fraction of it. A bundle is one GPU (and a core) on GPUs; on CPU the
-bundles are fractions of a core sized so that the whole placement fits the cluster's cores.
-"""
+"""The models of the RL stage as Ray actor groups (actor, critic, reference, reward model) placed as
+stages/placement.py plans, beside the rollout engines."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,16 +17,13 @@ from stages import engine as ds
 from stages import lora
 from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
-from stages.launch import StageInputError
+from stages.errors import StageInputError
+from stages.placement import ENGINES, bundle_resources, describe, engine_bundles, group_bundles, placement_plan
 from stages.sequences import micro_batches
 
 
 def _dtype(cfg) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float32
-
-
-def _attention(cfg, device: str) -> str | None:
-    return "flash_attention_2" if cfg.flash_attn and device == "cuda" else None
 
 
 def reward_normalization(config) -> tuple[float, float] | None:
@@ -76,9 +65,20 @@ class TokenValueModel(torch.nn.Module):
 
 
 class TrainedRole(RankWorker):
-    """A model trained with DeepSpeed inside the RL loop (actor or critic): checkpoints and GPU sleep."""
+    """A model trained with DeepSpeed inside the RL loop (actor or critic): checkpoints and GPU sleep.
+
+    `setup` loads the model while the driver still reads the data; `build` wraps it in its DeepSpeed engine once
+    the number of optimizer steps (the learning-rate schedule's length) is known.
+    """
 
     tag = ""
+
+    def learning_rate(self) -> float: ...
+
+    def build(self, total_optimizer_steps: int) -> None:
+        self.engine = ds.build_train_engine(self.model, self.cfg, self.ds_config, learning_rate=self.learning_rate(),
+                                            total_steps=total_optimizer_steps)
+        del self.model
 
     def save_checkpoint(self, step: int, client_state: dict) -> None:
         ds.save_checkpoint(self.engine, self.cfg.ckpt_path, step, client_state, tag=self.tag)
@@ -105,22 +105,24 @@ class PolicyWorker(TrainedRole):
 
     tag = "actor"
 
-    def setup(self, cfg_dict: dict, config_cls: type, total_optimizer_steps: int) -> None:
-        from stages.model_io import load_causal_lm, resolve_model_path
+    def learning_rate(self) -> float:
+        return self.cfg.actor_learning_rate
+
+    def setup(self, cfg_dict: dict, config_cls: type) -> None:
+        from stages.model_io import attn_implementation, load_causal_lm, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
         ds.seed_everything(cfg.seed)
-        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                        micro_batch_size=cfg.micro_train_batch_size)
+        self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+                                             micro_batch_size=cfg.micro_train_batch_size)
         path = resolve_model_path(cfg.pretrain)
         model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
-                                                        attn_implementation=_attention(cfg, self.device)), ds_config)
-        model = lora.wrap(model, cfg, value_model=False)
-        self.engine = ds.build_train_engine(model, cfg, ds_config, learning_rate=cfg.actor_learning_rate,
-                                            total_steps=total_optimizer_steps)
+                                                        attn_implementation=attn_implementation(cfg, self.device)),
+                                 self.ds_config)
+        self.model = lora.wrap(model, cfg, value_model=False)
         # Tied parameters travel once; the engines copy them to their other names.
-        self._tied = set(getattr(lora.hf_model(self.engine), "all_tied_weights_keys", {}) or {})
+        self._tied = set(getattr(lora.hf_model(self.model), "all_tied_weights_keys", {}) or {})
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -224,19 +226,21 @@ class CriticWorker(TrainedRole):
 
     tag = "critic"
 
-    def setup(self, cfg_dict: dict, config_cls: type, total_optimizer_steps: int) -> None:
+    def learning_rate(self) -> float:
+        return self.cfg.critic_learning_rate
+
+    def setup(self, cfg_dict: dict, config_cls: type) -> None:
         from stages.model_io import load_value_model, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
         ds.seed_everything(cfg.seed)
-        ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                        micro_batch_size=cfg.micro_train_batch_size)
+        self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+                                             micro_batch_size=cfg.micro_train_batch_size)
         path = resolve_model_path(cfg.critic_init)
-        model = ds.load_for_zero(lambda: load_value_model(path, dtype=_dtype(cfg)), ds_config)
+        model = ds.load_for_zero(lambda: load_value_model(path, dtype=_dtype(cfg)), self.ds_config)
         normalization = reward_normalization(model.config) if cfg.normalize_reward else None
-        self.engine = ds.build_train_engine(TokenValueModel(model, normalization), cfg, ds_config,
-                                            learning_rate=cfg.critic_learning_rate, total_steps=total_optimizer_steps)
+        self.model = TokenValueModel(model, normalization)
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -268,15 +272,16 @@ class ReferenceWorker(RankWorker):
     """One rank of the frozen reference model."""
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_causal_lm, resolve_model_path
+        from stages.model_io import attn_implementation, load_causal_lm, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
+        self.init_process_group(deepspeed=cfg.zero_stage == 3)  # DeepSpeed only to shard it
         ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
                                         micro_batch_size=cfg.micro_train_batch_size, train=False)
         path = resolve_model_path(cfg.ref_pretrain or cfg.pretrain)
         model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
-                                                        attn_implementation=_attention(cfg, self.device)), ds_config)
+                                                        attn_implementation=attn_implementation(cfg, self.device)),
+                                 ds_config)
         self.model = ds.build_inference_engine(model, ds_config, self.device)
 
     @torch.no_grad()
@@ -292,7 +297,7 @@ class RewardModelWorker(RankWorker):
         from stages.model_io import load_value_model, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
+        self.init_process_group(deepspeed=False)  # a plain model on every rank
         self.model = load_value_model(resolve_model_path(cfg.reward_pretrain), dtype=_dtype(cfg)).eval()
         self.model.to(self.device)
         self.normalization = reward_normalization(self.model.config)
@@ -360,54 +365,27 @@ def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg) -> torch.Tens
                       for micro in micro_batches(batch, cfg.micro_rollout_batch_size, device)])
 
 
-# ----------------------------------------------------------------------------- placement
+# ----------------------------------------------------------------------------- the roles of one run
 
 ROLE_WORKERS = {"actor": PolicyWorker, "critic": CriticWorker, "ref": ReferenceWorker, "reward": RewardModelWorker}
-
-
-def bundle_resources(device: str, total_bundles: int) -> dict[str, float]:
-    """One bundle: a GPU and a core on GPUs; on CPU an equal share of the cluster's cores (at most one) so that
-    `total_bundles` bundles fit."""
-    if device == "cuda":
-        return {"GPU": 1, "CPU": 1}
-    cores = ray.cluster_resources().get("CPU", 1)
-    return {"CPU": math.floor(min(1.0, cores / total_bundles) * 100) / 100}
-
-
-def placement_plan(cfg) -> dict[str, list[str]]:
-    """Placement group name -> the roles sharing its bundles (engines included as "engines")."""
-    roles = list(cfg.role_ranks())
-    if cfg.colocate_all_models:
-        return {"shared": [*roles, "engines"]}
-    plan: dict[str, list[str]] = {"actor": ["actor"]}
-    if "ref" in roles:
-        plan.setdefault("actor" if cfg.colocate_actor_ref else "ref", []).append("ref")
-    if "critic" in roles:
-        plan["critic"] = ["critic"]
-    if "reward" in roles:
-        plan.setdefault("critic" if cfg.colocate_critic_reward and "critic" in roles else "reward", []).append("reward")
-    plan["engines"] = ["engines"]
-    return plan
 
 
 class Roles:
     """The Ray actor groups and rollout engines of one RL run, placed as the colocation flags say."""
 
-    def __init__(self, cfg, device: str):
+    def __init__(self, cfg, device: str, config_cls: type):
         from stages.rollout import create_rollout_engines
 
         self.cfg = cfg
         ranks = cfg.role_ranks()
-        engine_bundles = cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
         plan = placement_plan(cfg)
-        bundles = {name: engine_bundles if members == ["engines"] else ranks[members[0]]
-                   for name, members in plan.items()}
+        bundles = group_bundles("rl", cfg)
         total = sum(bundles.values())
         if device == "cuda" and total > ray.cluster_resources().get("GPU", 0):
-            raise StageInputError(f"this placement needs {total} GPUs ({_describe(plan, bundles)}) but the Ray "
+            raise StageInputError(f"this placement needs {total} GPUs ({describe(plan, bundles)}) but the Ray "
                                   f"cluster has {ray.cluster_resources().get('GPU', 0):g}: lower the "
                                   "*_num_gpus_per_node flags or colocate")
-        bundle = bundle_resources(device, total)
+        bundle = bundle_resources("rl", device, total, ray.cluster_resources().get("CPU", 1))
         self.placement_groups = []
         self.groups: dict[str, ActorGroup] = {}
         engine_options: dict[str, Any] = {}
@@ -418,8 +396,8 @@ class Roles:
             share = 1.0 / len(members)
             for role in members:
                 fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
-                if role == "engines":
-                    engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles)),
+                if role == ENGINES:
+                    engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles(cfg))),
                                           **fraction)
                 else:
                     per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
@@ -438,19 +416,22 @@ class Roles:
         # models side by side.
         self.sequential = device == "cpu"
         self.buckets: list = []
+        # Every rank joins its group and loads its model right away; start() waits for them.
+        self._joined = [ref for group in self.groups.values() for ref in group.rendezvous()]
+        cfg_dict = cfg.model_dump()
+        self._loaded = [ref for group in self.groups.values() for ref in group.run_async("setup", cfg_dict, config_cls)]
 
-    def start(self, config_cls: type, optimizer_steps: int) -> dict[str, float]:
-        """Rendezvous and load every model while the engines load theirs; seconds of each start-up part."""
+    def start(self, optimizer_steps: int) -> dict[str, float]:
+        """Wait for every rank to join and load its model (begun in __init__), build the trained models' engines
+        for `optimizer_steps`, wait for the rollout engines; seconds of the waits."""
         seconds = {}
         started = time.perf_counter()
-        ray.get([ref for group in self.groups.values() for ref in group.rendezvous()])
+        ray.get(self._joined)
         seconds["processes"] = time.perf_counter() - started
-        cfg_dict = self.cfg.model_dump()
-        pending = []
-        for role, group in self.groups.items():
-            trained = (optimizer_steps,) if role in ("actor", "critic") else ()
-            pending += group.run_async("setup", cfg_dict, config_cls, *trained)
-        ray.get(pending + [engine.__ray_ready__.remote() for engine in self.engines])
+        ray.get(self._loaded)
+        ray.get([ref for role in ("actor", "critic") if role in self.groups
+                 for ref in self.groups[role].run_async("build", optimizer_steps)]
+                + [engine.__ray_ready__.remote() for engine in self.engines])
         seconds["models_and_engines"] = time.perf_counter() - started - seconds["processes"]
         return seconds
 
@@ -500,6 +481,3 @@ class Roles:
         for group in self.placement_groups:
             remove_placement_group(group)
 
-
-def _describe(plan: dict[str, list[str]], bundles: dict[str, int]) -> str:
-    return ", ".join(f"{'+'.join(members)}: {bundles[name]}" for name, members in plan.items())

@@ -17,19 +17,21 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import ray
 import torch
 from ray.util.placement_group import PlacementGroup
 from ray.util.placement_group import placement_group as make_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerBase
 
 from stages.distributed import cluster_has_gpus
-from stages.model_io import load_causal_lm, load_tokenizer, resolve_model_path
 from stages.tracking import silence_known_noise
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# The engines import transformers and their backends themselves: the driver that starts them need not wait for it.
 
 Backend = Literal["vllm", "hf", "auto"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,6 +85,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 def tied_weight_names(model_path: str) -> dict[str, str]:
     """{tied parameter: its source} of the HF model, e.g. {"lm_head.weight": "model.embed_tokens.weight"}."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -91,6 +95,10 @@ def tied_weight_names(model_path: str) -> dict[str, str]:
 
 def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     """All tensors of the .safetensors files in an HF model directory (or URI), on CPU."""
+    from safetensors.torch import load_file
+
+    from stages.model_io import resolve_model_path
+
     local = Path(resolve_model_path(path))
     files = sorted(local.glob("*.safetensors"))
     if not files:
@@ -131,6 +139,8 @@ class VLLMEngine:
         if not use_gpu:
             os.environ.update(VLLM_CPU_ENV)
         from vllm import LLM
+
+        from stages.model_io import load_tokenizer, resolve_model_path
 
         local_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(local_path)
@@ -257,6 +267,10 @@ class HFEngine:
     """transformers `generate` on one device, in chunks of `max_batch_size` sequences."""
 
     def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32", max_batch_size: int = 64):
+        from transformers import GenerationConfig
+
+        from stages.model_io import load_causal_lm, load_tokenizer
+
         silence_known_noise()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(model_path, padding_side="left")
@@ -320,19 +334,14 @@ class HFEngine:
     @torch.no_grad()
     def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Log-probs of each response token given its prompt and the response tokens before it (teacher forcing)."""
-        from stages.sequences import build_sequences
-        from stages.trainer import next_token_log_probs
+        from stages.packing import padded_log_probs
 
         self.wake_up()
         scored = []
         for start in range(0, len(sequences), self.max_batch_size):
             chunk = sequences[start : start + self.max_batch_size]
-            batch = build_sequences([list(p) for p, _ in chunk], [list(r) for _, r in chunk],
-                                    self.tokenizer.pad_token_id)
-            logp = next_token_log_probs(self.model, batch["input_ids"].to(self.device),
-                                        batch["attention_mask"].to(self.device)).cpu()
-            for row, (prompt, response) in enumerate(chunk):
-                scored.append(logp[row, len(prompt) - 1 : len(prompt) - 1 + len(response)].tolist())
+            logp = padded_log_probs(self.model, [list(p) + list(r) for p, r in chunk], self.tokenizer.pad_token_id)
+            scored += [row[len(p) - 1 : len(p) - 1 + len(r)].cpu().tolist() for row, (p, r) in zip(logp, chunk)]
         return scored
 
     def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,

@@ -18,6 +18,11 @@ def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
 
 
+def chunks(items: list, size: int) -> list[list]:
+    """Consecutive slices of `items` of `size` (the last one shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
 def split_rows(tensors: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
     """Contiguous, equal-as-possible row slices, one per rank."""
     rows = next(iter(tensors.values())).shape[0]

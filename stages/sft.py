@@ -17,7 +17,7 @@ from stages import algorithms as algo
 from stages import data
 from stages.engine import load_for_zero
 from stages.launch import run_rank_group, stage_main
-from stages.trainer import StepTrainer, validate_sources
+from stages.trainer import StepTrainer
 
 
 def validate_rows(cfg, rows, source: str) -> None:
@@ -49,10 +49,10 @@ class SFTWorker(StepTrainer):
     stage = "sft"
 
     def load_train_model(self, ds_config):
-        from stages.model_io import load_causal_lm
+        from stages.model_io import attn_implementation, load_causal_lm
 
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = self.attn_implementation()
+        attn = attn_implementation(self.cfg, self.device)
         return load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn), ds_config)
 
     def build_examples(self, source: str, split: str) -> list[dict]:
@@ -80,8 +80,7 @@ class SFTWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    validate_sources(cfg, lambda rows, source: validate_rows(cfg, rows, source))
-    return run_rank_group("sft", SFTWorker, cfg)
+    return run_rank_group("sft", SFTWorker, cfg, lambda rows, source: validate_rows(cfg, rows, source))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|eos|>"
@@ -163,6 +166,9 @@ def _corpus() -> Iterable[str]:
 
 def build_tokenizer(vocab_size: int = TinyModelShape.vocab_size) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on the task text; digits stay single tokens so numbers are spelled digit by digit."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -189,6 +195,8 @@ def build_tokenizer(vocab_size: int = TinyModelShape.vocab_size) -> PreTrainedTo
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, shape: TinyModelShape = TinyModelShape()) -> Path:
     """Write a randomly initialised LlamaForCausalLM and its tokenizer (HF format, safetensors) into out_dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(shape.vocab_size)

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,10 +74,13 @@ def silence_known_noise() -> None:
     """Keep job logs readable: vLLM at WARNING (its INFO lines repeat with every weight update), no loading
     progress bars, and the known per-step warnings above dropped where they are emitted."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # transformers reads this when it is imported; one imported already is told directly (importing it here
+    # would cost every stage process a second before it needs it).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as transformers_logging
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
     for name, text in REPEATED_NOISE.items():
         logging.getLogger(name).addFilter(_DropMessage(text))
 

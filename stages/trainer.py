@@ -17,7 +17,7 @@ import math
 import time
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,25 +25,13 @@ import torch.distributed as dist
 from stages import engine as ds
 from stages import lora, packing
 from stages.distributed import RankWorker
-from stages.launch import StageInputError
+from stages.errors import StageInputError
+from stages.sequences import chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
 
 
 class NonFiniteLossError(StageInputError):
     """Training diverged: a step's loss is nan or inf. Retrying the same run diverges again (exit code 2)."""
-
-
-def next_token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         temperature: float = 1.0) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t) for every position, [B, T-1], fp32; logits divided by `temperature`."""
-    from stages import algorithms as algo
-
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    return algo.token_log_probs(logits / temperature, input_ids[:, 1:])
-
-
-def chunks(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 class StepTrainer(RankWorker):
@@ -98,18 +86,6 @@ class StepTrainer(RankWorker):
         return {"train_examples": len(self.train_examples), "eval_examples": len(self.eval_examples),
                 "total_steps": self.total_steps}
 
-    def attn_implementation(self) -> str | None:
-        """FlashAttention-2 with --flash_attn on CUDA; on CPU the flag cannot act, which rank 0 says once."""
-        if not self.cfg.flash_attn:
-            return None
-        if self.device == "cuda":
-            return "flash_attention_2"
-        if self.rank == 0 and not getattr(self, "_said_no_flash_attn", False):
-            print(f"[{self.stage}] --flash_attn has no effect on {self.device}: FlashAttention-2 kernels need CUDA; "
-                  "attention runs with PyTorch's sdpa", flush=True)
-            self._said_no_flash_attn = True
-        return None
-
     def step_examples(self, step: int) -> list[dict]:
         epoch, index = divmod(step, self.steps_per_epoch)
         generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
@@ -117,7 +93,7 @@ class StepTrainer(RankWorker):
         size = self.cfg.train_batch_size
         return [self.train_examples[i] for i in order[index * size : (index + 1) * size]]
 
-    def fit(self, start_step: int = 0, stop_after_first_checkpoint: bool = False) -> dict[str, Any]:
+    def fit(self, start_step: int = 0) -> dict[str, Any]:
         """Train from `start_step` (resuming from its checkpoint when > 0) to the end; rank 0 writes the outputs."""
         cfg = self.cfg
         client_state = ds.load_checkpoint(self.engine, cfg.ckpt_path, start_step) if start_step else {}
@@ -163,8 +139,6 @@ class StepTrainer(RankWorker):
             record["time/step"] = round(time.perf_counter() - step_started, 4)
             if log is not None:
                 log.log(step + 1, record)
-            if saved and stop_after_first_checkpoint and start_step == 0:
-                return {"fault_injected": True, "step": step + 1}
         metrics: dict[str, Any] = {
             "steps": self.total_steps,
             "resumed_from_step": start_step,
@@ -216,10 +190,10 @@ class ReferenceStepTrainer(StepTrainer):
     inference engine, `--ref_pretrain` or else the starting model."""
 
     def load_train_model(self, ds_config):
-        from stages.model_io import load_causal_lm, resolve_model_path
+        from stages.model_io import attn_implementation, load_causal_lm, resolve_model_path
 
         dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = self.attn_implementation()
+        attn = attn_implementation(self.cfg, self.device)
         policy = ds.load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn),
                                   ds_config)
         ref_path = resolve_model_path(self.cfg.ref_pretrain or self.cfg.pretrain)
@@ -253,11 +227,3 @@ def tokens_per_second(records: list[dict]) -> float:
     seconds = sum(r.get("time/forward_backward", 0.0) + r.get("time/optimizer", 0.0) for r in records)
     return round(sum(r.get("tokens", 0.0) for r in records) / seconds, 1) if seconds > 0 else 0.0
 
-
-def validate_sources(cfg, validate: Callable[[Any, str], None]) -> None:
-    """Load and validate --dataset and --eval_dataset in the driver, so bad data fails before any rank starts."""
-    from stages import data
-
-    for source, split in ((cfg.dataset, cfg.dataset_split), (cfg.eval_dataset, cfg.eval_split)):
-        if source is not None:
-            validate(data.load_rows(source, split=split, max_samples=cfg.max_samples), source)

@@ -6,8 +6,8 @@ stage key, return the committed artifact if one with that key exists, else submi
 <workspace>/ckpt]`, stream its log into the Prefect log (secrets redacted, step lines moving a progress
 artifact), watch it against a deadline, and commit `output/`.
 
-The stage key covers the stage config, the digests of its input artifacts, a fingerprint of the content of every
-dataset it reads (stages/fingerprint.py) and the code version: new data at the same path retrains the stage, and
+The stage key (pipeline/identity.py) covers the stage config, the digests of its input artifacts, a fingerprint of
+the content of every dataset it reads and the code its job runs: new data at the same path retrains the stage, and
 with it every stage after it; nothing changed, nothing runs. The workspace
 `<workspace_root>/<pipeline>/<stage>/<stage_key[:16]>/` depends only on the stage key, so every attempt of the same
 stage, in this flow run or a retried one, finds the checkpoints of the last.
@@ -16,11 +16,11 @@ stage, in this flow run or a retried one, finds the checkpoints of the last.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import shlex
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,51 +29,18 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from pydantic import BaseModel
 
-from infra.artifacts import DatasetRef, InputRef, Manifest, open_store, read_metrics
+from infra.artifacts import InputRef, open_store, read_metrics
 from infra.ray_cluster import RayClusterError, job_client
 from infra.secrets import Redactor
-from infra.settings import PROJECT_ROOT, Settings, get_settings
-from stages.fingerprint import dataset_fingerprint
+from infra.settings import Settings, get_settings
+from pipeline.identity import StageResult, stage_code_version, stage_identity
+from stages.errors import EXIT_CONFIG_ERROR
 from stages.launch import writer_lock_holder, writer_lock_path
 from tasks.progress import StageProgress
 
-# Config fields naming data a stage reads: their content is part of the stage key and listed in the manifest.
-DATA_FIELDS = ("dataset", "eval_dataset", "prompt_data")
-# A reward function given as a local Python file is read like data: a changed function retrains the stage too.
-REWARD_FUNCTION_FIELD = "remote_rm_url"
-# Config fields that the task sets itself and that must not change the stage key.
-WORKSPACE_FIELDS = ("save_path", "ckpt_path")
-# A stage exits with this code on a config or data error: retrying cannot help.
-CONFIG_ERROR_EXIT_CODE = 2
 TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
 # Ray colours the "(Worker pid=...)" prefixes of actor output; the Prefect log wants plain text.
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-class StageResult(BaseModel):
-    """What a stage hands to the next one and to Prefect's result store: a reference, never weights."""
-
-    pipeline: str
-    stage: str
-    version: int
-    uri: str
-    digest: str
-    stage_key: str
-    metrics: dict[str, float | int | str]
-    reused: bool = False  # found committed with this stage key: no job ran
-
-    @classmethod
-    def from_manifest(cls, manifest: Manifest, reused: bool = False) -> StageResult:
-        return cls(
-            pipeline=manifest.pipeline,
-            stage=manifest.stage,
-            version=manifest.version,
-            uri=manifest.uri,
-            digest=manifest.digest,
-            stage_key=manifest.stage_key or "",
-            metrics=manifest.metrics,
-            reused=reused,
-        )
 
 
 class StageError(RuntimeError):
@@ -104,80 +71,9 @@ def retry_only_fixable(task, task_run, state) -> bool:
     return not isinstance(error, StageError) or error.retryable
 
 
-def code_version(*packages: str) -> str:
-    """sha256 over the Python sources of `packages` (dotted names under the project root); no git needed."""
-    digest = hashlib.sha256()
-    for package in sorted(packages):
-        package_dir = PROJECT_ROOT / package.replace(".", "/")
-        for path in sorted(package_dir.rglob("*.py")):
-            if "__pycache__" in path.parts:
-                continue
-            digest.update(str(path.relative_to(PROJECT_ROOT)).encode() + b"\0")
-            digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def stage_code_version(settings: Settings) -> str:
-    """The code a stage job runs: RLHF_CODE_VERSION, else a hash of its entrypoint package and infra/."""
-    return settings.code_version or code_version(settings.stage_module_prefix, "infra")
-
-
-def stage_key(pipeline: str, stage: str, config: dict, input_digests: dict[str, str], code: str,
-              data: dict[str, str] | None = None) -> str:
-    """Identity of a stage's work: same key, same output. `input_digests` maps each config field fed by an input
-    artifact to its digest (its URI is left out, the digest counts); `data` maps each data field to its fingerprint."""
-    keyed_config = {k: v for k, v in config.items() if k not in WORKSPACE_FIELDS and k not in input_digests}
-    payload = json.dumps(
-        {"pipeline": pipeline, "stage": stage, "config": keyed_config, "inputs": input_digests, "data": data or {},
-         "code": code},
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def data_sources(config: dict) -> dict[str, str]:
-    """{field: source} of the data a resolved stage config reads (datasets, a local reward function file)."""
-    sources = {field: config[field] for field in DATA_FIELDS if config.get(field)}
-    reward = config.get(REWARD_FUNCTION_FIELD)
-    if isinstance(reward, str) and "://" not in reward and reward.endswith(".py"):
-        sources[REWARD_FUNCTION_FIELD] = reward
-    return sources
-
-
-class StageIdentity(BaseModel):
-    """A stage's resolved config, the fingerprints of the data it reads, and the key they make."""
-
-    key: str
-    config: dict[str, Any]
-    datasets: dict[str, DatasetRef]
-
-
-def stage_identity(pipeline: str, stage: str, config: BaseModel | dict, inputs: dict[str, StageResult],
-                   code: str) -> StageIdentity:  # fmt: skip
-    """Resolve `config` with `inputs` (config field -> upstream result) and fingerprint its data: the key."""
-    resolved = resolve_config(stage, config, inputs)
-    datasets = {field: DatasetRef(source=source, fingerprint=dataset_fingerprint(source))
-                for field, source in data_sources(resolved).items()}
-    key = stage_key(pipeline, stage, resolved, {field: r.digest for field, r in inputs.items()}, code,
-                    {field: ref.fingerprint for field, ref in datasets.items()})
-    return StageIdentity(key=key, config=resolved, datasets=datasets)
-
-
 def artifact_key(*parts: str) -> str:
     """A Prefect artifact key: only lowercase letters, digits and dashes are allowed."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
-
-
-def resolve_config(stage: str, config: BaseModel | dict, inputs: dict[str, StageResult]) -> dict[str, Any]:
-    """The stage config as plain data, with each input artifact's URI in the field it feeds."""
-    resolved = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
-    known = type(config).model_fields if isinstance(config, BaseModel) else resolved
-    for field, result in inputs.items():
-        if field not in known:
-            raise ValueError(f"stage {stage!r}: input for unknown config field {field!r}")
-        resolved[field] = result.uri
-    return resolved
 
 
 def _job_info(client, submission_id: str):
@@ -267,7 +163,7 @@ def _raise_for_failure(stage: str, job_id: str, info, log_tail: str, redact: Red
     if status == "STOPPED":
         raise StageStopped(f"stage {stage}: job {job_id} was stopped from outside\n{log_tail}")
     exit_code = info.driver_exit_code
-    if exit_code == CONFIG_ERROR_EXIT_CODE:
+    if exit_code == EXIT_CONFIG_ERROR:
         raise StageConfigError(f"stage {stage}: config or data error (job {job_id}, exit 2):\n{log_tail}")
     # Ray's message repeats the log; its first line says what happened (node died, supervisor lost, ...).
     reason = (info.message or "").split("\n", 1)[0] or (info.error_type.value if info.error_type else "unknown")
@@ -312,7 +208,7 @@ def run_stage(
     logger = get_run_logger()
     redact = Redactor()
     inputs = inputs or {}
-    code = stage_code_version(settings)
+    code = stage_code_version(settings, stage)
     identity = stage_identity(pipeline, stage, config, inputs, code)
     key, resolved = identity.key, identity.config
     store = open_store(artifact_root, pipeline, log=logger.warning)
@@ -396,11 +292,33 @@ def run_stage(
     return result
 
 
+def result_storage(settings: Settings) -> Path | str:
+    """Prefect `result_storage` of RLHF_RESULT_STORAGE: a local path, or the slug of a saved storage block.
+
+    Prefect only takes saved blocks, so an fsspec URI (s3://...) is saved once as a `remote-file-system` block named
+    after it; its credentials come from each worker's environment.
+    """
+    value = settings.result_storage
+    if value is None:
+        return settings.workspace_root / "prefect-results"
+    if value.startswith("block:"):
+        return value.removeprefix("block:")
+    if value.startswith("file://"):
+        return Path(value.removeprefix("file://"))
+    if "://" in value:
+        from prefect.filesystems import RemoteFileSystem
+
+        name = "rlhf-results-" + hashlib.sha256(value.encode()).hexdigest()[:12]
+        RemoteFileSystem(basepath=value).save(name, overwrite=True)
+        return f"remote-file-system/{name}"
+    return Path(value).expanduser().resolve()
+
+
 def stage_task(settings: Settings | None = None):
     """`run_stage` with retries and result storage taken from the current settings."""
     settings = settings or get_settings()
     return run_stage.with_options(
         retries=settings.max_retries,
         retry_delay_seconds=settings.retry_delay_s,
-        result_storage=settings.result_storage_block(),
+        result_storage=result_storage(settings),
     )

@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.ray_cluster import free_port
 from infra.settings import PROJECT_ROOT
-from stages.config import load_pipeline_config
+from pipeline.config import load_pipeline_config
 
 PREFECT = str(Path(sys.executable).parent / "prefect")
 POOL = "rlhf-process"
@@ -88,7 +88,7 @@ class PrefectStack:
             "PREFECT_WORKER_QUERY_SECONDS": "2",
             **(env or {}),
         }
-        for name in ("RLHF_FAULT_INJECT", "RLHF_ARTIFACT_ROOT", "RLHF_RAY_ADDRESS"):
+        for name in ("RLHF_ARTIFACT_ROOT", "RLHF_RAY_ADDRESS"):
             if name not in (env or {}):
                 self.env.pop(name, None)
         self.processes: list[subprocess.Popen] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -15,12 +16,37 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 900
 
 
-def run_stage(stage: str, *flags, config: str = "tiny", env: dict | None = None,
-              expect_rc: int = 0) -> subprocess.CompletedProcess:
-    """`python -m stages.<stage> --config <config> <flags>` in its own process, with a private local Ray."""
+_SHARED_HEAD: list = []
+
+
+def shared_ray_address() -> str:
+    """A Ray head for this test session's stage runs, started at first use: a stage joins it as the driver of a
+    pipeline's Ray job joins its cluster, instead of starting a private one (about 4 s a run)."""
+    if not _SHARED_HEAD:
+        from infra.ray_cluster import LocalRayHead
+
+        head = LocalRayHead(num_cpus=os.cpu_count(), auth_mode="disabled")
+        head.start()
+        atexit.register(head.stop)
+        _SHARED_HEAD.append(head)
+    return _SHARED_HEAD[0].gcs_address
+
+
+def stage_env(env: dict | None = None, private_ray: bool = False) -> dict:
+    """The environment of a stage process: the session's Ray head (`private_ray`: none, the stage starts its own)."""
     full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
                 "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("RAY_ADDRESS", None)
+    if not private_ray:
+        # A driver joins a loopback-only head with the same switch the head runs with (infra/ray_cluster.py).
+        full_env.update(RAY_ADDRESS=shared_ray_address(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    return full_env
+
+
+def run_stage(stage: str, *flags, config: str = "tiny", env: dict | None = None, expect_rc: int = 0,
+              private_ray: bool = False) -> subprocess.CompletedProcess:
+    """`python -m stages.<stage> --config <config> <flags>` in its own process, on the session's Ray head."""
+    full_env = stage_env(env, private_ray)
     proc = subprocess.run([sys.executable, "-m", f"stages.{stage}", "--config", config, *map(str, flags)],
                           cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
     if proc.returncode != expect_rc:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,24 +13,44 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifacts import (
-    MANIFEST_NAME,
-    PAUSE_ENV,
-    ArtifactError,
-    ArtifactStore,
-    ChecksumError,
-    config_hash,
-    open_store,
-)
+from infra.artifacts import MANIFEST_NAME, ArtifactError, ArtifactStore, ChecksumError, config_hash, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
 # A writer in its own interpreter: prints "ready", waits for the go file (if any), commits, prints the version.
+# With pause_at "upload:N" it stalls once N files reached its staging area, with "move:N" once N files were moved
+# into the version it claimed, printing "paused at ...": a test kills it there.
 WRITER = """
 import json, os, sys, time
 from infra.artifacts import open_store
-root, stage, source, tag, go_file = sys.argv[1:]
+root, stage, source, tag, go_file, pause_at = sys.argv[1:]
 store = open_store(root, "pipe")
+if pause_at:
+    step, count = pause_at.split(":")
+    count = int(count)
+
+    def park():
+        print("paused at", pause_at, flush=True)
+        time.sleep(3600)
+
+    if step == "upload":
+        put = store.fs.put
+
+        def partial_put(sources, targets, **kwargs):
+            put(sources[:count], targets[:count])
+            park()
+
+        store.fs.put = partial_put
+    else:
+        move, moved = store._move, []
+
+        def counting_move(src, dst):
+            move(src, dst)
+            moved.append(dst)
+            if len(moved) == count:
+                park()
+
+        store._move = counting_move
 print("ready", flush=True)
 while go_file and not os.path.exists(go_file):
     time.sleep(0.005)
@@ -54,11 +73,12 @@ def tree_bytes(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-def start_writer(root: str, stage: str, source: Path, tag: str, log_dir: Path, go_file: str = "", env=None):
+def start_writer(root: str, stage: str, source: Path, tag: str, log_dir: Path, go_file: str = "",
+                 pause_at: str = ""):
     out = (log_dir / f"{tag}.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, root, stage, str(source), tag, go_file],
-        cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        [sys.executable, "-c", WRITER, root, stage, str(source), tag, go_file, pause_at],
+        cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
     )
     return proc, log_dir / f"{tag}.log"
 
@@ -256,7 +276,7 @@ def test_killed_writer_leaves_no_version(store_root, tmp_path, pause_at, next_ve
     store = open_store(store_root, "pipe")
     store.commit("sft", make_source(tmp_path / "first", "first"), config={})
     big = make_source(tmp_path / "big", "big", n_files=6, size=512 * 1024)
-    proc, log = start_writer(store_root, "sft", big, "killed", tmp_path, env={PAUSE_ENV: pause_at})
+    proc, log = start_writer(store_root, "sft", big, "killed", tmp_path, pause_at=pause_at)
     try:
         wait_for_line(log, f"paused at {pause_at}", proc)
     finally:
@@ -285,7 +305,7 @@ def test_gc_removes_what_killed_writers_left_after_the_grace_period(store_root, 
     store = open_store(store_root, "pipe")
     store.commit("sft", make_source(tmp_path / "first", "first"), config={})
     proc, log = start_writer(store_root, "sft", make_source(tmp_path / "big", "big"), "killed", tmp_path,
-                             env={PAUSE_ENV: "move:2"})  # fmt: skip
+                             pause_at="move:2")
     try:
         wait_for_line(log, "paused at move:2", proc)
     finally:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from stages.config import parse_stage_args
+from stages.cli import parse_stage_args
 from stages.engine import FINGERPRINT_FILE, claim_checkpoints, commit_checkpoint, training_fingerprint
-from stages.launch import StageInputError
+from stages.errors import StageInputError
 
 
 def sft_config(tmp_path, *flags: str):

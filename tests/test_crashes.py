@@ -35,7 +35,7 @@ from flows.server_setup import AUTO_RETRY_MESSAGE, RETRY_AUTOMATION_PREFIX, ZOMB
 from infra.artifacts import open_store
 from infra.ray_cluster import HEAD_RECORD, job_client, read_head_record
 from infra.settings import get_settings
-from tasks.run_stage import stage_code_version
+from pipeline.identity import stage_code_version
 from tests.prefect_stack import STAGES, PrefectStack, small_tiny_config
 
 pytestmark = pytest.mark.pipeline
@@ -178,7 +178,7 @@ def crashed_run(tmp_path_factory):
         "RLHF_RETRY_DELAY_S": "0",
         "RLHF_POLL_INTERVAL_S": "1",
         "RLHF_STAGE_DEADLINE_S": "1200",
-        "RLHF_CODE_VERSION": stage_code_version(get_settings()),
+        "RLHF_CODE_VERSION": stage_code_version(get_settings(), "rl"),
         "RLHF_CACHE_DIR": str(tmp / "model-cache"),
     }
     try:

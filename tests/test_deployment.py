@@ -3,7 +3,7 @@ worker and a Ray head; artifacts and Prefect's task results on S3 (a moto server
 
 One deployment run of the tiny pipeline (a few steps per stage) serves most tests here:
 - the S3 endpoint goes away for 30 s while SFT's output is being committed;
-- the RL stage fails once after its first checkpoint (injected), so the run fails; then, as an operator would,
+- the RL job's driver is killed after its first checkpoint, so the run fails; then, as an operator would,
   the test opens the run in headless Chromium and clicks Retry; the worker picks it up, SFT and the reward model
   come back Cached, RL resumes from its checkpoint and the run completes (screenshot saved as a test output);
 - the worker's environment holds secret canaries that must appear nowhere the run wrote.
@@ -32,8 +32,9 @@ from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import PROJECT_ROOT, get_settings
 from stages.config import CONFIG_DIR
-from tasks.run_stage import stage_code_version
+from pipeline.identity import stage_code_version
 from tests.conftest import MOTO_BUCKET
+from tests.faults import KillJobAfterCheckpoint
 from tests.prefect_stack import POOL, STAGES, PrefectStack, small_tiny_config, stop_process
 from tests.tcp_proxy import TcpProxy
 
@@ -148,9 +149,8 @@ def retried_run(stack, moto_s3, tmp_path_factory, test_output_dir):
         "RLHF_POLL_INTERVAL_S": "1",
         "RLHF_STAGE_DEADLINE_S": "1200",
         "RLHF_MAX_RETRIES": "0",
-        "RLHF_FAULT_INJECT": "rl:after_checkpoint",
         # Pinned: an edit of stages/ during the test must not change the stage keys between run and retry.
-        "RLHF_CODE_VERSION": stage_code_version(get_settings()),
+        "RLHF_CODE_VERSION": stage_code_version(get_settings(), "rl"),
     }
     outage: dict = {}
     head = LocalRayHead(num_cpus=2, auth_mode="disabled")
@@ -163,8 +163,11 @@ def retried_run(stack, moto_s3, tmp_path_factory, test_output_dir):
         worker, worker_log = stack.start_worker("worker", {**worker_env, "RLHF_RAY_ADDRESS": head.address})
         cutter = threading.Thread(target=cut_s3_during_commit, args=(proxy, tmp / "workspace", outage), daemon=True)
         cutter.start()
+        killer = KillJobAfterCheckpoint(tmp / "workspace", "tiny", "rl")
+        killer.start()
         run = stack.run_deployment("full-rlhf/tiny", {"config": small_tiny_config(tmp)})
         failed = stack.wait_for(run.id, {StateType.FAILED}, timeout_s=1500, logs=worker_log)
+        killer.stop()
         stack.wait_for_process_exits(run.id, 1)
         cutter.join(timeout=OUTAGE_S + 5)
         ray = job_client(head.address)
@@ -224,7 +227,7 @@ def test_retry_from_the_ui_in_a_browser_resumes_the_failed_stage(retried_run):
     failure = retried_run["after_failure"]
     assert failure["jobs"] == {"sft": ["SUCCEEDED"], "reward_model": ["SUCCEEDED"], "rl": ["FAILED"]}
     assert failure["versions"] == {"sft": 1, "reward_model": 1, "rl": 0, "evaluate": 0}
-    assert "stage rl: job" in failure["state"].message and "exit code 3" in failure["state"].message
+    assert "stage rl: job" in failure["state"].message and "failed, exit code" in failure["state"].message
 
     retry = [s for s in retried_run["state_history"] if s.name == "AwaitingRetry"]
     assert [s.message for s in retry] == ["Retry from the UI"]  # the browser's click, nothing else

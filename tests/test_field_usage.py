@@ -18,48 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.code import module_closure
 from stages.config import STAGE_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT_PACKAGES = ("stages", "infra")
 CONFIG_MODULE = "stages.config"
 # Config methods that only check or describe a config: reading a field there does not make it act.
 VALIDATORS = frozenset({"_reject_impossible", "_problems", "_placement_problems", "_algorithm_problems",
                         "missing_inputs", "train_world_sizes"})
-# Fields that cannot act on some devices must still be read (to say so once in the log): none needs listing.
-DEVICE_DEPENDENT: frozenset[str] = frozenset()
-
-
-def module_file(root: Path, name: str) -> Path | None:
-    path = root / Path(*name.split("."))
-    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def imported_modules(root: Path, tree: ast.AST) -> set[str]:
-    """Project modules a parsed module imports, at top level or inside functions."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from stages import data`
-    return {name for name in names if name.split(".")[0] in PROJECT_PACKAGES and module_file(root, name)}
-
-
-def module_closure(root: Path, entry: str) -> dict[str, ast.Module]:
-    """Parsed source of `entry` and every project module it reaches through imports."""
-    trees: dict[str, ast.Module] = {}
-    pending = [entry]
-    while pending:
-        name = pending.pop()
-        if name not in trees:
-            trees[name] = ast.parse(module_file(root, name).read_text())
-            pending += imported_modules(root, trees[name])
-    return trees
 
 
 def loaded_names(node: ast.AST) -> tuple[set[str], set[str]]:
@@ -102,7 +68,7 @@ def definitions(trees: dict[str, ast.Module]) -> dict[str, list[ast.AST]]:
 
 def unread_fields(root: Path, entry: str, fields: set[str]) -> set[str]:
     """Fields of a stage config that no code reachable from the stage's entrypoint module reads."""
-    trees = module_closure(root, entry)
+    trees = module_closure(entry, root)
     defined = definitions(trees)
     read: set[str] = set()
     visited: set[int] = set()
@@ -121,7 +87,7 @@ def unread_fields(root: Path, entry: str, fields: set[str]) -> set[str]:
 @pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
 def test_every_config_field_is_read_by_its_stage(stage):
     fields = set(STAGE_CONFIGS[stage].model_fields)
-    unread = unread_fields(ROOT, f"stages.{stage}", fields) - DEVICE_DEPENDENT
+    unread = unread_fields(ROOT, f"stages.{stage}", fields)
     assert not unread, f"stages.{stage}: no code reads --{', --'.join(sorted(unread))}"
 
 

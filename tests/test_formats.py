@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stages import data, dpo, kto, reward_model, sft
-from stages.config import parse_stage_args
+from stages.cli import parse_stage_args
 from stages.data import DataValidationError
 
 

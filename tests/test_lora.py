@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from stages import engine, lora, packing
-from stages.config import parse_stage_args
+from stages.cli import parse_stage_args
 from stages.model_io import load_tokenizer
 from stages.tiny import build_tiny_model
 

@@ -14,22 +14,21 @@ import pytest
 import s3fs
 import yaml
 
-from stages.config import (
+from pipeline.config import (
     PIPELINE_SHAPES,
     POLICY_STAGES,
-    STAGE_CONFIGS,
     STAGE_INPUTS,
     TINY_ASSET_FIELDS,
-    ConfigError,
     PromotionGate,
     load_pipeline_config,
     policy_stage,
     shape_inputs,
 )
-from stages.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
-from tasks.preflight import ClusterResources, _check_fit, ray_request
-from tasks.promote import check_gate
-from tasks.run_stage import stage_identity
+from stages.config import STAGE_CONFIGS, ConfigError
+from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
+from pipeline.plan import ClusterResources, _check_fit, ray_request
+from pipeline.gate import check_gate
+from pipeline.identity import stage_identity
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
@@ -112,11 +111,12 @@ def test_the_stage_key_follows_data_content_not_paths(tmp_path):
     assert identity().key != first.key and identity().datasets["dataset"].source == str(data)
     reward = tmp_path / "reward.py"  # a local reward function is fingerprinted like data
     reward.write_text("def reward_func(q, p, l):\n    return [0.0] * len(q)\n")
-    with_reward = stage_identity("p", "rl", {**config, "remote_rm_url": str(reward)}, {}, code="c")
+    rl_config = {"prompt_data": str(data), "actor_learning_rate": 1e-6}
+    with_reward = stage_identity("p", "rl", {**rl_config, "remote_rm_url": str(reward)}, {}, code="c")
     reward.write_text("def reward_func(q, p, l):\n    return [1.0] * len(q)\n")
-    assert stage_identity("p", "rl", {**config, "remote_rm_url": str(reward)}, {}, code="c").key != with_reward.key
-    endpoint = stage_identity("p", "rl", {**config, "remote_rm_url": "http://rm:5000/get_reward"}, {}, code="c")
-    assert set(endpoint.datasets) == {"dataset"}  # an HTTP endpoint is not data
+    assert stage_identity("p", "rl", {**rl_config, "remote_rm_url": str(reward)}, {}, code="c").key != with_reward.key
+    endpoint = stage_identity("p", "rl", {**rl_config, "remote_rm_url": "http://rm:5000/get_reward"}, {}, code="c")
+    assert set(endpoint.datasets) == {"prompt_data"}  # an HTTP endpoint is not data
 
 
 def test_s3_datasets_are_fingerprinted_by_etag_without_download(s3_root):
@@ -147,13 +147,13 @@ def test_a_rehearsal_keeps_every_setting_but_the_stated_swaps(preset, stand_ins,
     for stage in config.stages:
         for field, value in before[stage].items():
             assert after[stage][field] == value or (stage, field) in swapped, (stage, field)
-        assert after[stage]["device"] == "cpu" and not after[stage]["flash_attn"]
+        assert after[stage]["device"] == "cpu"
     assert (after["shape"], after["gate"], after["name"]) == (before["shape"], before["gate"], before["name"])
     for stage in {"sft", "reward_model", "dpo", "kto"} - set(config.stages):
         assert after[stage] == before[stage]  # sections the shape does not run are left alone
     # Nothing a GPU cluster also has is swapped: the settings that make the preset what it is stay.
     kept = {"zero_stage", "bf16", "gradient_checkpointing", "packing_samples", "colocate_all_models",
-            "vllm_enable_sleep", "deepspeed_enable_sleep", "advantage_estimator", "use_kl_loss", "kl_estimator",
+            "vllm_enable_sleep", "deepspeed_enable_sleep", "flash_attn", "vllm_sync_backend", "advantage_estimator", "use_kl_loss", "kl_estimator",
             "init_kl_coef", "normalize_reward", "learning_rate", "actor_learning_rate", "apply_chat_template",
             "input_key", "label_key", "remote_rm_url", "n_samples_per_prompt"}
     assert not {field for _, field in swapped} & kept
@@ -222,7 +222,7 @@ def test_the_plan_checks_each_stage_data_with_the_stage_own_validation(tmp_path)
     """KTO rows (unpaired, with a label) and multi-turn SFT conversations are checked as their stages check them."""
     import json
 
-    from tasks.preflight import check_datasets
+    from pipeline.plan import check_datasets
 
     kto_rows = tmp_path / "kto.jsonl"
     kto_rows.write_text("\n".join(json.dumps({"prompt": "2+3=", "completion": "5", "label": True}) for _ in range(3)))

@@ -15,7 +15,7 @@ from infra.ray_cluster import LocalRayHead
 from infra.secrets import Redactor, is_secret_name
 from infra.settings import get_settings
 from tasks.progress import parse_step_line
-from tasks.report import learning_curve_png, metrics_table
+from pipeline.report import learning_curve_png, metrics_table
 
 
 def test_step_lines_are_parsed_in_the_stages_format():

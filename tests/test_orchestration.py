@@ -28,20 +28,11 @@ from flows.full_rlhf import full_rlhf
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import get_settings
-from stages.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
+from pipeline.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
 from stages.launch import writer_lock, writer_lock_path
 from tasks.promote import promote
-from tasks.run_stage import (
-    StageConfigError,
-    StageError,
-    StageResult,
-    StageTimeout,
-    resolve_config,
-    stage_code_version,
-    stage_key,
-    stage_task,
-    submission_id,
-)
+from pipeline.identity import StageResult, resolve_config, stage_code_version, stage_key
+from tasks.run_stage import StageConfigError, StageError, StageTimeout, result_storage, stage_task, submission_id
 
 PIPELINE = "toy-pipe"
 
@@ -84,7 +75,7 @@ def env(tmp_path, monkeypatch, prefect_server, ray_address):
     monkeypatch.setenv("RLHF_POLL_INTERVAL_S", "0.3")
     monkeypatch.setenv("RLHF_MAX_RETRIES", "1")
     monkeypatch.setenv("RLHF_RETRY_DELAY_S", "0")
-    monkeypatch.delenv("RLHF_FAULT_INJECT", raising=False)
+    monkeypatch.delenv("TOY_CRASH_AFTER_CHECKPOINT", raising=False)
     return {"root": str(tmp_path / "artifacts"), "client": job_client(ray_address)}
 
 
@@ -104,7 +95,7 @@ def attempts_of(env, config: ToyConfig, inputs=None) -> list[str]:
     settings = get_settings()
     resolved = resolve_config("toy", config, inputs or {})
     digests = {role: r.digest for role, r in (inputs or {}).items()}
-    key = stage_key(PIPELINE, "toy", resolved, digests, stage_code_version(settings))
+    key = stage_key(PIPELINE, "toy", resolved, digests, stage_code_version(settings, "toy"))
     statuses, attempt = [], 1
     while True:
         try:
@@ -169,7 +160,8 @@ def test_config_error_is_not_retried_and_names_the_field(env):
 
 
 def test_crash_is_retried_and_resumes_from_checkpoint(env, monkeypatch):
-    monkeypatch.setenv("RLHF_FAULT_INJECT", "toy:after_checkpoint")
+    monkeypatch.setenv("TOY_CRASH_AFTER_CHECKPOINT", "1")
+    monkeypatch.setenv("RLHF_JOB_ENV_PASSTHROUGH", "TOY_CRASH_AFTER_CHECKPOINT")
     result = run_toy(env, ToyConfig(value=4)).result()
     assert result.metrics["resumed_from_step"] == 1
     assert attempts_of(env, ToyConfig(value=4)) == ["FAILED", "SUCCEEDED"]
@@ -191,7 +183,7 @@ def test_deadline_stops_the_job(env, monkeypatch):
 
 def toy_workspace(config: ToyConfig) -> Path:
     settings = get_settings()
-    key = stage_key(PIPELINE, "toy", resolve_config("toy", config, {}), {}, stage_code_version(settings))
+    key = stage_key(PIPELINE, "toy", resolve_config("toy", config, {}), {}, stage_code_version(settings, "toy"))
     return Path(settings.workspace_root) / PIPELINE / "toy" / key[:16]
 
 
@@ -229,7 +221,7 @@ def test_secret_values_are_redacted_from_everything_the_run_writes(env, monkeypa
     for name, value in canaries.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match="secret variables"):
-        get_settings(job_env_passthrough=["RLHF_FAULT_INJECT", "HF_TOKEN"])
+        get_settings(job_env_passthrough=["HF_HOME", "HF_TOKEN"])
     config = ToyConfig(value=13, leak_env=list(canaries))
     with LocalRayHead(num_cpus=1, auth_mode="disabled") as head:  # started with the secrets in its env
         monkeypatch.setenv("RLHF_RAY_ADDRESS", head.address)
@@ -264,7 +256,7 @@ def test_running_attempt_is_reattached_not_duplicated(env):
     config = ToyConfig(value=6, sleep_s=3)
     settings = get_settings()
     resolved = resolve_config("toy", config, {})
-    key = stage_key(PIPELINE, "toy", resolved, {}, stage_code_version(settings))
+    key = stage_key(PIPELINE, "toy", resolved, {}, stage_code_version(settings, "toy"))
     workspace = Path(settings.workspace_root) / PIPELINE / "toy" / key[:16]
     (workspace / "output").mkdir(parents=True)
     (workspace / "ckpt").mkdir()
@@ -284,7 +276,7 @@ def test_running_attempt_is_reattached_not_duplicated(env):
 
 @flow(name="toy-promote")
 def promote_flow(policy: StageResult, report: StageResult, gate: PromotionGate, artifact_root: str):
-    persisted = promote.with_options(result_storage=get_settings().result_storage_block())
+    persisted = promote.with_options(result_storage=result_storage(get_settings()))
     return persisted(policy, report, gate, artifact_root=artifact_root)
 
 

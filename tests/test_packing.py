@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from stages import data, dpo, kto, lora, packing, reward_model, sft
-from stages.config import parse_stage_args
+from stages.cli import parse_stage_args
 
 TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4

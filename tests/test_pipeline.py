@@ -1,7 +1,7 @@
 """The tiny pipeline through Prefect and Ray, nothing mocked.
 
-One run serves both first tests, to keep the suite to a single pipeline's worth of training: the RL stage is made
-to crash right after its first checkpoint (RLHF_FAULT_INJECT, no task retries), so the flow run fails; the
+One run serves both first tests, to keep the suite to a single pipeline's worth of training: the RL job's driver
+is killed (SIGKILL) right after its first checkpoint (no task retries), so the flow run fails; the
 same flow run is then retried with `prefect flow-run retry` and completes. test_pipeline_learns checks what
 the completed run learned; test_retry_resumes_the_failed_stage checks how it got there.
 
@@ -35,8 +35,11 @@ from flows.results import PipelineResult
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import PROJECT_ROOT, get_settings
-from stages.config import load_pipeline_config, policy_stage
-from tasks.run_stage import WORKSPACE_FIELDS, stage_code_version
+from pipeline.config import load_pipeline_config, policy_stage
+from faults import KillJobAfterCheckpoint
+from pipeline.identity import stage_code_version
+from stages.config import STAGE_CONFIGS
+from stages.fields import Output, names_with
 
 pytestmark = pytest.mark.pipeline
 
@@ -86,18 +89,20 @@ def resumed_run(tmp_path_factory):
             "RLHF_MAX_RETRIES": "0",
             "RLHF_POLL_INTERVAL_S": "1",
             "RLHF_STAGE_DEADLINE_S": "1200",  # a stage that hangs fails the test instead of blocking it
-            "RLHF_FAULT_INJECT": "rl:after_checkpoint",
         }.items():
             env.setenv(name, value)
         env.delenv("RLHF_ARTIFACT_ROOT", raising=False)
         # Pinned, so that an edit of stages/ while this test runs cannot change the stage keys between the run
         # and its retry (a new key means a new workspace, without the checkpoint to resume from).
-        env.setenv("RLHF_CODE_VERSION", stage_code_version(get_settings()))
+        env.setenv("RLHF_CODE_VERSION", stage_code_version(get_settings(), "rl"))
         env.setenv("PREFECT_LOCAL_STORAGE_PATH", str(tmp / "prefect-results"))  # the flow's result, for the CLI
         client = job_client(head.address)
         flow_results = temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: tmp / "prefect-results"})
         with prefect_test_harness(server_startup_timeout=180), flow_results:
+            killer = KillJobAfterCheckpoint(tmp / "workspace", "tiny", "rl")
+            killer.start()
             failed = full_rlhf(config, return_state=True)
+            killer.stop()
             flow_run_id = failed.state_details.flow_run_id
             after_failure = {
                 "state": failed,
@@ -208,9 +213,7 @@ def nights(resumed_run):
         "rl": {"actor_learning_rate": 1e-12, "max_samples": 32},  # one step that changes nothing
         "evaluate": {"max_samples": 64, "eval_n_samples_per_prompt": 0},
     })  # fmt: skip
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("RLHF_FAULT_INJECT")
-        return {"changed": run_night(config), "unchanged": run_night(config)}
+    return {"changed": run_night(config), "unchanged": run_night(config)}
 
 
 def test_changed_preference_data_retrains_the_reward_model_and_what_follows(resumed_run, nights):
@@ -229,8 +232,8 @@ def test_changed_preference_data_retrains_the_reward_model_and_what_follows(resu
     assert before.datasets["dataset"].source == after.datasets["dataset"].source
     assert before.datasets["dataset"].fingerprint != after.datasets["dataset"].fingerprint
     assert before.datasets["eval_dataset"] == after.datasets["eval_dataset"]
-    assert {k: v for k, v in before.config.items() if k not in WORKSPACE_FIELDS} == {
-        k: v for k, v in after.config.items() if k not in WORKSPACE_FIELDS}
+    assert {k: v for k, v in before.config.items() if k not in names_with(STAGE_CONFIGS["reward_model"], Output)} == {
+        k: v for k, v in after.config.items() if k not in names_with(STAGE_CONFIGS["reward_model"], Output)}
     assert before.inputs == after.inputs and first.stages["sft"].digest == before.inputs["pretrain"].digest
 
 
@@ -272,12 +275,10 @@ SHAPES_FROM_SFT = {"sft-rl": {"rl": {"max_samples": 32}}, "sft-dpo": {"dpo": {"m
 def shapes_from_sft(resumed_run):
     tmp = resumed_run["tmp"]
     runs = {}
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("RLHF_FAULT_INJECT")
-        for shape, sections in SHAPES_FROM_SFT.items():
-            runs[shape] = run_night(load_pipeline_config("tiny", {
-                "artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape,
-                "evaluate": {"max_samples": 16, "eval_n_samples_per_prompt": 0}, **sections}))  # fmt: skip
+    for shape, sections in SHAPES_FROM_SFT.items():
+        runs[shape] = run_night(load_pipeline_config("tiny", {
+            "artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape,
+            "evaluate": {"max_samples": 16, "eval_n_samples_per_prompt": 0}, **sections}))  # fmt: skip
     return runs
 
 
@@ -308,7 +309,6 @@ GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
 def rehearsals(resumed_run):
     """`python -m flows.run --preset <preset> --rehearse`, as a user runs it, on this module's server and head."""
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    env.pop("RLHF_FAULT_INJECT", None)
     runs = {}
     for preset in GPU_PRESETS:
         root = resumed_run["tmp"] / "rehearsals" / preset
@@ -335,7 +335,7 @@ def test_gpu_preset_rehearsed_on_cpu_end_to_end(rehearsals, preset):
         manifest = store.get(stage, 1)
         preset_values = config.section(stage).model_dump(mode="json")
         for field, value in manifest.config.items():  # what the job ran with: the preset's, but for the swaps
-            if field in manifest.inputs or field in WORKSPACE_FIELDS or (stage, field) in swapped:
+            if field in manifest.inputs or field in names_with(STAGE_CONFIGS[stage], Output) or (stage, field) in swapped:
                 continue
             preset_value = preset_values[field]  # a relative path is made absolute for the jobs
             assert value == preset_value or value == str((PROJECT_ROOT / str(preset_value)).resolve()), (stage, field)

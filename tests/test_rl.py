@@ -1,8 +1,9 @@
 """The RL stage for real (`python -m stages.rl`, 2 CPU ranks per model) on the tiny task.
 
-PPO with a critic and the reward model, every other advantage estimator, every placement, exact resume, reward
-functions that break and endpoints that are down, and the llama3-8b preset's RL section rehearsed on CPU. One SFT
-model and one reward model (module fixtures) feed every run.
+PPO with a critic and the reward model, every other advantage estimator, every placement, exact resume over two
+ranks per model, reward functions that break and endpoints that are down, and the llama3-8b preset's RL section
+rehearsed on CPU. The tiny preset runs one rank per model with HF generate; the runs that stream weights into vLLM
+engines say so. One SFT model and one reward model (module fixtures) feed every run.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.config import parse_stage_args
-from stages.rehearsal import StandIns, rehearse_stage
+from stages.cli import parse_stage_args
+from pipeline.rehearsal import StandIns, rehearse_stage
 
 from conftest import free_port
+from faults import latest_checkpoint, run_killed_at_checkpoint, stage_command
 from stage_runs import history_of, max_weight_change, metrics_of, run_stage
 from test_config import SEED_PPO, stage_argv
 from test_rewards import RewardServer
@@ -28,6 +30,8 @@ RULE_REWARD = "stages/tiny_reward.py"
 # rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
 PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
        "--critic_learning_rate", "3e-4", "--normalize_reward")
+TWO_RANKS_EACH = tuple(word for role in ("actor", "critic", "ref", "reward")
+                       for word in (f"--{role}_num_gpus_per_node", 2))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     policy, proc = rl(tmp_path, sft_model, assets, *PPO, "--reward_pretrain", reward_model, "--max_samples", 800,
                       "--no_colocate_all_models", "--colocate_actor_ref", "--colocate_critic_reward",
                       "--save_steps", 5)
-    assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
+    assert "roles {'actor': 1, 'critic': 1, 'ref': 1, 'reward': 1} + 1 engine(s)" in proc.stdout
     history = history_of(policy)
     assert len(history) == 25
     first, last = history[:5], history[-5:]
@@ -81,14 +85,17 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
 
 
 def test_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model, reward_model):
-    """Hybrid engine (everything colocated) with an adaptive KL controller: killed after the checkpoint of step 3,
-    restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt position, RNG)."""
+    """Hybrid engine (everything colocated, two ranks per model) with an adaptive KL controller: killed after the
+    checkpoint of step 3, restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt
+    position, RNG)."""
     flags = (*PPO, "--reward_pretrain", reward_model, "--max_samples", 192, "--save_steps", 3, "--kl_target", "1.0",
-             "--colocate_all_models")
+             "--colocate_all_models", *TWO_RANKS_EACH)
     full, _ = rl(tmp_path, sft_model, assets, *flags, name="full")
-    _, crashed = rl(tmp_path, sft_model, assets, *flags, name="resumed", env={"RLHF_FAULT_INJECT": "rl:after_checkpoint"},
-                    expect_rc=3)
-    assert "[rl] step 3/6" in crashed.stdout and not (tmp_path / "resumed" / "model" / "metrics.json").exists()
+    resumed_dir = tmp_path / "resumed"
+    run_killed_at_checkpoint(stage_command("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
+                                           "--save_path", resumed_dir / "model", "--ckpt_path", resumed_dir / "ckpt",
+                                           *flags), resumed_dir / "ckpt")
+    assert latest_checkpoint(resumed_dir / "ckpt") == 3 and not (resumed_dir / "model" / "metrics.json").exists()
     resumed, proc = rl(tmp_path, sft_model, assets, *flags, name="resumed")
     assert "resumed from the checkpoint of step 3" in proc.stdout
     assert metrics_of(resumed)["resumed_from_step"] == 3
@@ -107,11 +114,12 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
     """Actor, reference and engine each on bundles of their own; groups whose samples all score alike are replaced
     by further prompts; the output is the best evaluated actor."""
     policy, proc = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--remote_rm_url",
-                      RULE_REWARD, "--no_colocate_all_models", "--dynamic_filtering", "--max_samples", 800,
+                      RULE_REWARD, "--no_colocate_all_models", "--rollout_backend", "vllm", "--dynamic_filtering",
+                      "--max_samples", 800,
                       "--eval_dataset", assets["prompts_eval"], "--eval_steps", 3,
                       "--save_best", "--entropy_loss_coef", "0", "--eval_n_samples_per_prompt", 0)
     history, metrics = history_of(policy), metrics_of(policy)
-    assert "roles {'actor': 2, 'ref': 2} + 1 engine(s)" in proc.stdout
+    assert "roles {'actor': 1, 'ref': 1} + 1 engine(s)" in proc.stdout
     assert metrics["groups_filtered"] > 0 and any(r["prompts_sampled"] > 32 for r in history)
     assert all(r["entropy"] > 0 for r in history)
     evaluated = {r["step"]: r["eval_reward"] for r in history if "eval_reward" in r}
@@ -128,9 +136,9 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
         ("rloo", ("--colocate_all_models",), 0.4),
         ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1"), 0.4),
         ("reinforce_baseline", ("--kl_estimator", "k2"), 0.4),
-        # The actor as LoRA adapters (merged weights go to the engine), packed forwards, ZeRO-3.
+        # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3.
         ("dr_grpo", ("--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate", "2e-3", "--packing_samples",
-                     "--zero_stage", 3), 0.4),
+                     "--zero_stage", 3, "--rollout_backend", "vllm"), 0.4),
     ],
 )
 def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, estimator, flags, margin):

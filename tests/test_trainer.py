@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stages.launch import StageInputError
+from stages.errors import StageInputError
 from stages.trainer import NonFiniteLossError, stop_if_diverged, tokens_per_second
 
 

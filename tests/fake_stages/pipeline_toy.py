@@ -14,8 +14,9 @@ from pathlib import Path
 
 import yaml
 
-MODEL_FIELDS = ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain", "production_pretrain")
-DATA_FIELDS = ("dataset", "eval_dataset", "prompt_data", "remote_rm_url")
+from stages.config import STAGE_CONFIGS
+from stages.fields import path_fields
+
 LEARNING_RATE_FIELDS = ("learning_rate", "actor_learning_rate")
 
 
@@ -36,7 +37,7 @@ def main(stage: str) -> None:
     cfg = yaml.safe_load(Path(args.config).read_text())
     out = Path(args.save_path)
     out.mkdir(parents=True, exist_ok=True)
-    inputs = {field: cfg.get(field) for field in (*MODEL_FIELDS, *DATA_FIELDS) if cfg.get(field)}
+    inputs = {field: cfg[field] for field in sorted(path_fields(STAGE_CONFIGS[stage])) if cfg.get(field)}
     print(f"toy {stage}: {json.dumps(inputs, sort_keys=True)}", flush=True)
     if stage == "evaluate":
         metrics = {"accuracy": quality_of(cfg["pretrain"]) / 10, "kl_mean": 0.1, "prompts": 16}

@@ -4,8 +4,8 @@
 Config fields: value (int), pretrain (an input URI or null), sleep_s (seconds to run), config_error (bool:
 exit 2 naming the field), steps (step lines to print, in the stages' progress format), leak_env (names of
 variables whose values it prints, as a careless library would; with no checkpoint yet it also fails with them in
-its error). It checkpoints step 1, honours RLHF_FAULT_INJECT=toy:after_checkpoint (exit 3 after the first
-checkpoint, only when none existed at start) and writes result.json and metrics.json.
+its error). It checkpoints step 1, crashes (exit 3) after that checkpoint when TOY_CRASH_AFTER_CHECKPOINT is set
+and none existed at start, and writes result.json and metrics.json.
 """
 
 import argparse
@@ -35,7 +35,7 @@ def main() -> None:
     step_file.parent.mkdir(parents=True, exist_ok=True)
     step_file.write_text("1")
     print(f"toy: checkpoint step 1 written (resumed_from_step={resumed_from_step})", flush=True)
-    if os.environ.get("RLHF_FAULT_INJECT") == "toy:after_checkpoint" and resumed_from_step == 0:
+    if os.environ.get("TOY_CRASH_AFTER_CHECKPOINT") and resumed_from_step == 0:
         print("toy: fault injected after checkpoint", file=sys.stderr, flush=True)
         sys.exit(3)
 

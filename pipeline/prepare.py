@@ -5,11 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from stages.config import TINY_ASSET_FIELDS, PipelineConfig, shape_inputs
-
-# Fields that may name a local path; Ray jobs run elsewhere, so relative paths are made absolute here.
-PATH_FIELDS = ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain", "production_pretrain", "dataset",
-               "eval_dataset", "prompt_data", "remote_rm_url")
+from pipeline.config import TINY_ASSET_FIELDS, PipelineConfig, shape_inputs
+from stages.fields import path_fields
 
 
 def _absolute_if_local(value: str | None) -> str | None:
@@ -20,7 +17,8 @@ def _absolute_if_local(value: str | None) -> str | None:
 
 def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> PipelineConfig:
     """With `tiny_assets_dir`, build the tiny assets and use them for the fields of the shape's stages that the
-    config leaves unset and no stage feeds (TINY_ASSET_FIELDS); make local paths absolute."""
+    config leaves unset and no stage feeds (TINY_ASSET_FIELDS); make local paths absolute (Ray jobs run in
+    another working directory)."""
     wiring = shape_inputs(config.shape)
     sections = {stage: config.section(stage).model_dump() for stage in config.stages}
     if config.tiny_assets_dir is not None:
@@ -37,9 +35,8 @@ def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> Pipel
                 continue  # RL takes one reward source; evaluation scores with both (accuracy and reward_mean)
             if asset in assets:
                 sections[stage][field] = str(assets[asset])
-    for section in sections.values():
-        for field in PATH_FIELDS:
-            if field in section:
-                section[field] = _absolute_if_local(section[field])
+    for stage, section in sections.items():
+        for field in path_fields(type(config.section(stage))):
+            section[field] = _absolute_if_local(section[field])
     return config.model_copy(update={stage: type(config.section(stage)).model_validate(values)
                                      for stage, values in sections.items()})

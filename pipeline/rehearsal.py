@@ -2,13 +2,15 @@
 
 `rehearse_pipeline` applies the same rules to every stage of the preset's shape (`rehearse_stage` to one stage's
 values). The swaps, each with its reason (what a GPU cluster has and this machine has not):
-- models the config names (hub ids, paths) -> the tiny toolkit's model in the same role: a model to fine-tune, a
-  fine-tuned policy (actor, reference, production), or a scorer (reward model, critic, with the normalisation
-  statistics a trained reward model carries); a model an earlier stage of the pipeline feeds is not swapped;
-- datasets -> tiny fixtures in the config's own format (its column names; chat messages where it applies a chat
-  template; whole conversations where preference data has no prompt column; KTO's label column);
-- `device` -> cpu, `flash_attn` off (no CPU kernels), `vllm_sync_backend` nccl -> gloo, one rollout engine
-  without tensor parallelism;
+- models the config names (hub ids, paths) -> the tiny toolkit's model of the kind the field declares
+  (stages/fields.py ModelPath): a model to fine-tune, a fine-tuned policy (actor, reference, production), or a
+  scorer (reward model, critic, with the normalisation statistics a trained reward model carries); a model an
+  earlier stage of the pipeline feeds is not swapped;
+- datasets (the fields declared Dataset) -> tiny fixtures in the config's own format (its column names; chat
+  messages where it applies a chat template; whole conversations where preference data has no prompt column;
+  KTO's label column), held-out rows where the field is held out;
+- `device` -> cpu, one rollout engine without tensor parallelism (GPU-only flags such as `flash_attn` or the sleep
+  modes are kept: the stage says once that they cannot act on CPU);
 - ranks: every `*num_gpus_per_node` down to at most 2 CPU ranks, `*num_nodes` to 1;
 - lengths down to what the tiny model holds (128 positions);
 - batch sizes down with their ratios kept: gradient accumulation steps (train / (micro x ranks)) and optimizer
@@ -17,7 +19,8 @@ values). The swaps, each with its reason (what a GPU cluster has and this machin
   evaluation on EVAL_PROMPTS prompts;
 - the pipeline's artifact root -> a rehearsal folder, so that a rehearsal never writes into the preset's store.
 Everything else (shape, gate, ZeRO stage, bf16, gradient checkpointing, colocation, sleep flags, estimator, KL,
-packing, learning rates, reward functions ...) is kept, so a preset that cannot run fails here, on CPU, in minutes.
+packing, learning rates, reward functions, the weight-sync backend ...) is kept, so a preset that cannot run fails
+here, on CPU, in minutes.
 """
 
 from __future__ import annotations
@@ -28,19 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import PipelineConfig, shape_inputs, validate_pipeline
+from stages.config import OFFLINE_STAGES, STAGE_CONFIGS
+from stages.fields import Dataset, ModelPath, fields_with
+
 MAX_RANKS = 2
 PROMPT_MAX_LEN = 48  # the tiny model has 128 positions; the task's prompts are under 40 tokens
 GENERATE_MAX_LEN = 8
 REHEARSAL_STEPS = 2
 EVAL_PROMPTS = 16
-OFFLINE_STAGES = ("sft", "reward_model", "dpo", "kto")
-# Which stand-in takes the place of a model field: "base" (a model to fine-tune), "policy" (a fine-tuned policy),
-# "scorer" (a value-head model). `pretrain` depends on the stage.
-PRETRAIN_ROLES = {"sft": "base", "reward_model": "base", "dpo": "policy", "kto": "policy", "rl": "policy",
-                  "evaluate": "policy"}
-MODEL_ROLES = {"ref_pretrain": "policy", "production_pretrain": "policy", "reward_pretrain": "scorer",
-               "critic_pretrain": "scorer"}
-DATA_FIELDS = ("dataset", "eval_dataset", "prompt_data")
 # The tiny rows (stages.tiny.DATASET_FILES) that each stage's fixtures are made of.
 ROW_KINDS = {"sft": "sft", "reward_model": "pref", "dpo": "pref", "kto": "kto", "rl": "prompts", "evaluate": "prompts"}
 
@@ -89,10 +88,6 @@ def _device_swaps(values: dict) -> list[tuple[str, Any, str]]:
     swaps = []
     if values.get("device") != "cpu":
         swaps.append(("device", "cpu", "no GPU: ranks run on CPU cores"))
-    if values.get("flash_attn"):
-        swaps.append(("flash_attn", False, "FlashAttention-2 has no CPU kernels"))
-    if values.get("vllm_sync_backend") == "nccl":
-        swaps.append(("vllm_sync_backend", "gloo", "NCCL needs GPUs"))
     if values.get("vllm_tensor_parallel_size", 1) > 1:
         swaps.append(("vllm_tensor_parallel_size", 1, "tensor parallelism needs GPUs"))
     if values.get("vllm_num_engines", 1) > 1:
@@ -164,9 +159,9 @@ BATCH_RULES = {**{stage: _offline_batch_swaps for stage in OFFLINE_STAGES}, "rl"
 
 
 def _model_swaps(stage: str, values: dict, stand_ins: StandIns, wired: set[str]) -> list[tuple[str, Any, str]]:
-    roles = {"pretrain": PRETRAIN_ROLES[stage], **MODEL_ROLES}
-    return [(field, stand_ins.model(role), f"the tiny model as the {role} model") for field, role in roles.items()
-            if field in values and values[field] and field not in wired]
+    return [(field, stand_ins.model(role.kind), f"the tiny model as the {role.kind} model")
+            for field, role in fields_with(STAGE_CONFIGS[stage], ModelPath).items()
+            if values.get(field) and field not in wired]
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -203,11 +198,11 @@ def fixture_rows(stage: str, values: dict, rows: list[dict]) -> list[dict]:
 
 def _data_swaps(stage: str, values: dict, stand_ins: StandIns) -> list[tuple[str, Any, str]]:
     swaps = []
-    for field in DATA_FIELDS:
+    for field, role in fields_with(STAGE_CONFIGS[stage], Dataset).items():
         # A command without prompts (the seed's RL commands) gets them too.
-        if field not in values or not (values[field] or (stage, field) == ("rl", "prompt_data")):
+        if not (values.get(field) or (stage, field) == ("rl", "prompt_data")):
             continue
-        split = "eval" if field == "eval_dataset" or stage == "evaluate" else "train"  # held-out rows to evaluate
+        split = "eval" if role.held_out else "train"
         path = stand_ins.fixtures_dir / f"{stage}_{field}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         rows = fixture_rows(stage, values, _rows(stand_ins, ROW_KINDS[stage], split))
@@ -229,10 +224,8 @@ def rehearse_stage(stage: str, values: dict, stand_ins: StandIns, wired: set[str
     return {**values, **{swap.field: swap.after for swap in swaps}}, swaps
 
 
-def rehearse_pipeline(config, stand_ins: StandIns, artifact_root: str):
+def rehearse_pipeline(config: PipelineConfig, stand_ins: StandIns, artifact_root: str):
     """(the rehearsal's PipelineConfig, the swaps) of a PipelineConfig: every stage of its shape rehearsed."""
-    from stages.config import shape_inputs, validate_pipeline
-
     wiring = shape_inputs(config.shape)
     data = config.model_dump(mode="json")
     swaps = [Swap("pipeline", "artifact_root", config.artifact_root, artifact_root,

@@ -1,0 +1,88 @@
+"""What code a stage job runs: its entrypoint module and every project module it can import, found statically.
+
+The closure follows `import` and `from ... import` statements at any depth (imports inside functions count: they
+run when the function does), the packages above each module (their `__init__` runs on import), and skips the
+`if __name__ == "__main__":` block of every module but the entrypoint (that code runs only when a module is run as
+a script). A stage's code version is the sha256 of the files in its closure, so an edit to code the stage cannot
+reach (the rehearsal, the orchestration's settings) leaves its stage key alone, and an edit to code it runs (the
+algorithms for RL) changes it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def module_file(root: Path, name: str) -> Path | None:
+    """The source file of project module `name` under `root`, or None (not a project module)."""
+    path = root / Path(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                                                   for c in test.comparators))
+
+
+def _imports(node: ast.AST, package: str, skip_main: bool) -> set[str]:
+    names: set[str] = set()
+    for child in ast.iter_child_nodes(node):
+        if skip_main and _is_main_guard(child):
+            continue
+        if isinstance(child, ast.Import):
+            names |= {alias.name for alias in child.names}
+        elif isinstance(child, ast.ImportFrom):
+            base = child.module or ""
+            if child.level:  # relative: from the importing module's package
+                parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names.add(base)
+            names |= {f"{base}.{alias.name}" for alias in child.names}  # `from stages import data`
+        names |= _imports(child, package, skip_main=False)
+    return names
+
+
+def imported_modules(root: Path, name: str, tree: ast.Module, *, entry: bool) -> set[str]:
+    """Project modules that module `name` imports (its main block only when it is the entrypoint), with the
+    packages above each of them."""
+    package = name if module_file(root, name).name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for imported in _imports(tree, package, skip_main=not entry):
+        parts = imported.split(".")
+        found |= {prefix for i in range(1, len(parts) + 1)
+                  if module_file(root, prefix := ".".join(parts[:i])) is not None}
+    return found
+
+
+def module_closure(entry: str, root: Path = PROJECT_ROOT) -> dict[str, ast.Module]:
+    """Parsed source of module `entry` and of every project module it reaches through imports."""
+    if module_file(root, entry) is None:
+        raise ValueError(f"no module {entry} under {root}")
+    parts = entry.split(".")
+    pending = [".".join(parts[:i]) for i in range(1, len(parts))] + [entry]
+    trees: dict[str, ast.Module] = {}
+    while pending:
+        name = pending.pop()
+        if name in trees or module_file(root, name) is None:
+            continue
+        trees[name] = ast.parse(module_file(root, name).read_text(), filename=str(module_file(root, name)))
+        pending += imported_modules(root, name, trees[name], entry=name == entry)
+    return trees
+
+
+def code_version(entry: str, root: Path = PROJECT_ROOT) -> str:
+    """sha256 over the sources of `entry`'s closure (paths and contents); no git needed."""
+    digest = hashlib.sha256()
+    for name in sorted(module_closure(entry, root)):
+        path = module_file(root, name)
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

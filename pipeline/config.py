@@ -1,0 +1,217 @@
+"""The pipeline's config: its shape (which stages run, which stage's output feeds which field of a later one), the
+promotion gate, and one section per stage (stages/config.py); loaded from the presets in configs/.
+
+    load_pipeline_config("llama3-8b", {"rl": {"seed": 1}})
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from stages.config import (
+    STAGE_CONFIGS,
+    ConfigError,
+    DPOConfig,
+    EvaluateConfig,
+    KTOConfig,
+    RewardModelConfig,
+    RLConfig,
+    SFTConfig,
+    StageConfig,
+    StrictModel,
+    preset_path,
+    preset_sections,
+    read_yaml_mapping,
+    validation_messages,
+)
+
+# ---------------------------------------------------------------- pipeline shapes
+#
+# A pipeline runs the stages of its shape in order and always ends with the evaluation. Which stage's output fills
+# which field of a later stage is one table: a field keeps the value its section gives (a model named in the preset)
+# only when none of its producers is in the shape.
+
+PIPELINE_SHAPES: dict[str, tuple[str, ...]] = {
+    "sft-rm-rl": ("sft", "reward_model", "rl", "evaluate"),  # RL against a reward model trained on preferences
+    "sft-rl": ("sft", "rl", "evaluate"),  # RL with a reward function (or a reward model named in rl:)
+    "sft-dpo": ("sft", "dpo", "evaluate"),
+    "sft-kto": ("sft", "kto", "evaluate"),
+    "rm-rl": ("reward_model", "rl", "evaluate"),  # the same without SFT: start from an instruct model
+    "rl": ("rl", "evaluate"),
+    "dpo": ("dpo", "evaluate"),
+    "kto": ("kto", "evaluate"),
+}
+PipelineShape = Literal[tuple(PIPELINE_SHAPES)]  # type: ignore[valid-type]
+# The stages whose output is the candidate policy; a shape has exactly one.
+POLICY_STAGES = ("rl", "dpo", "kto")
+# (stage, field) <- the stages whose output fills it, the first one in the shape winning.
+STAGE_INPUTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("reward_model", "pretrain"): ("sft",),  # the reward model starts from the SFT model
+    ("rl", "pretrain"): ("sft",),  # the policy starts from the SFT model
+    ("rl", "reward_pretrain"): ("reward_model",),
+    ("dpo", "pretrain"): ("sft",),
+    ("kto", "pretrain"): ("sft",),
+    ("evaluate", "pretrain"): POLICY_STAGES,  # the candidate
+    ("evaluate", "ref_pretrain"): ("sft",),  # what the candidate started from
+    ("evaluate", "reward_pretrain"): ("reward_model",),
+}
+# (stage, field) <- tiny asset that fills it when the config leaves it unset, no stage feeds it and tiny_assets_dir
+# is set. "rule_reward" is the tiny task's reward function (stages/tiny_reward.py).
+TINY_ASSET_FIELDS: dict[tuple[str, str], str] = {
+    ("sft", "pretrain"): "model",
+    ("sft", "dataset"): "sft_train",
+    ("sft", "eval_dataset"): "sft_eval",
+    ("reward_model", "pretrain"): "model",
+    ("reward_model", "dataset"): "pref_train",
+    ("reward_model", "eval_dataset"): "pref_eval",
+    ("dpo", "pretrain"): "model",
+    ("dpo", "dataset"): "pref_train",
+    ("dpo", "eval_dataset"): "pref_eval",
+    ("kto", "pretrain"): "model",
+    ("kto", "dataset"): "kto_train",
+    ("kto", "eval_dataset"): "kto_eval",
+    ("rl", "pretrain"): "model",
+    ("rl", "prompt_data"): "prompts_train",
+    ("rl", "remote_rm_url"): "rule_reward",
+    ("evaluate", "ref_pretrain"): "model",
+    ("evaluate", "prompt_data"): "prompts_eval",
+    ("evaluate", "remote_rm_url"): "rule_reward",
+}
+
+
+def shape_inputs(shape: str) -> dict[str, dict[str, str]]:
+    """{stage: {field: producing stage}} for every stage of `shape`, in run order."""
+    stages = PIPELINE_SHAPES[shape]
+    wiring: dict[str, dict[str, str]] = {stage: {} for stage in stages}
+    for (stage, field), producers in STAGE_INPUTS.items():
+        producer = next((p for p in producers if p in stages), None)
+        if stage in stages and producer is not None:
+            wiring[stage][field] = producer
+    return wiring
+
+
+def policy_stage(shape: str) -> str:
+    """The stage of `shape` whose output is the candidate policy."""
+    (stage,) = [s for s in PIPELINE_SHAPES[shape] if s in POLICY_STAGES]
+    return stage
+
+
+class PromotionGate(StrictModel):
+    """What the evaluation must show for the candidate policy to become `production`.
+
+    A comparison applies when the report has both of its metrics: accuracy needs a reward function
+    (evaluate.remote_rm_url), reward_mean a reward model. At least one comparison with the reference must apply;
+    the production comparisons apply when a production policy exists (it is scored on the same prompts).
+    """
+
+    min_reward_gain: float = Field(
+        0.0, description="reward_mean − reference_reward_mean must be greater than this (reward-model score)",
+    )
+    min_accuracy_gain: float = Field(0.0, description="accuracy − reference_accuracy must be at least this")
+    max_kl_mean: float | None = Field(
+        None, gt=0, description="upper bound on kl_mean (candidate vs reference); unset: only finite is required",
+    )
+    max_reward_regression: float = Field(
+        0.05, ge=0,
+        description="tolerance against production: production_reward_mean − reward_mean may be at most this",
+    )
+    max_accuracy_regression: float = Field(
+        0.01, ge=0, description="tolerance against production: production_accuracy − accuracy may be at most this",
+    )
+
+
+class PipelineConfig(StrictModel):
+    """One full-rlhf run (the stages of its shape, then evaluation and the gate) and where its artifacts go; a
+    preset's schema."""
+
+    name: str = Field(
+        "rlhf", pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="pipeline name: artifact namespace (lowercase letters, digits, dashes)",
+    )
+    artifact_root: str = Field("./artifacts", description="artifact store root: a path, file:// or s3://bucket/prefix")
+    tiny_assets_dir: str | None = Field(
+        None, description="build the tiny model and datasets here and use them for every model/data path left unset",
+    )
+    shape: PipelineShape = Field(
+        "sft-rm-rl",
+        description="stages to run, in order, before the evaluation: sft-rm-rl, sft-rl (RL with a reward function), "
+        "sft-dpo, sft-kto, or the same without sft- (start from the instruct model the section names)",
+    )
+    gate: PromotionGate = Field(
+        default_factory=PromotionGate, description="what the evaluation must show for the policy to be promoted",
+    )
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="SFT stage")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="reward model stage")
+    rl: RLConfig = Field(default_factory=RLConfig, description="RL stage")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="evaluation stage")
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage (shapes sft-dpo and dpo)")
+    kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage (shapes sft-kto and kto)")
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages this pipeline runs, in order."""
+        return PIPELINE_SHAPES[self.shape]
+
+    def section(self, stage: str) -> StageConfig:
+        return getattr(self, stage)
+
+    @model_validator(mode="after")
+    def _inputs_available(self) -> PipelineConfig:
+        # A stage's required inputs come from an earlier stage of the shape, its section, or the tiny assets.
+        wiring = shape_inputs(self.shape)
+        missing = []
+        for stage in self.stages:
+            section = self.section(stage)
+            groups = [*type(section).required_inputs, *((("ref_pretrain",),) if stage == "evaluate" else ())]
+            for group in groups:
+                if any(field in wiring[stage] or getattr(section, field) is not None for field in group):
+                    continue
+                if self.tiny_assets_dir is not None and any((stage, f) in TINY_ASSET_FIELDS for f in group):
+                    continue
+                missing.append(" or ".join(f"{stage}.{field}" for field in group))
+        if missing:
+            source = "no tiny_assets_dir" if self.tiny_assets_dir is None else "the tiny assets do not either"
+            raise ValueError(f"{', '.join(missing)} unset: no stage of shape {self.shape!r} provides "
+                             f"{'it' if len(missing) == 1 else 'them'}, and {source}")
+        return self
+
+
+# ---------------------------------------------------------------- presets
+
+def load_preset(name_or_path: str) -> dict:
+    """The preset as a dict: pipeline keys plus one section per stage (an empty section when absent or null)."""
+    path = preset_path(name_or_path)
+    data = read_yaml_mapping(path)
+    unknown = sorted(set(data) - set(PipelineConfig.model_fields))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown keys {', '.join(unknown)}; expected stage sections ({', '.join(STAGE_CONFIGS)}) "
+            f"or pipeline keys ({', '.join(k for k in PipelineConfig.model_fields if k not in STAGE_CONFIGS)})"
+        )
+    return {**data, **preset_sections(path, data)}
+
+
+def load_pipeline_config(name_or_path: str, overrides: dict | None = None) -> PipelineConfig:
+    """A preset with `overrides` merged into it (nested dicts merge, e.g. {"rl": {"seed": 1}}), validated."""
+    return validate_pipeline(_deep_merge(load_preset(name_or_path), overrides or {}), str(preset_path(name_or_path)))
+
+
+def validate_pipeline(data: dict, where: str) -> PipelineConfig:
+    """`data` as a PipelineConfig; ConfigError naming `where` and each failing stage.field otherwise."""
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as error:
+        lines = validation_messages(error, lambda loc: ".".join(str(part) for part in loc))
+        raise ConfigError(f"{where}: " + "; ".join(lines)) from error
+
+
+def _deep_merge(base: dict, overrides: dict) -> dict:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,130 @@
+"""The promotion gate: the candidate policy becomes `production` only when the evaluation shows it is better than its
+reference and no worse than the policy in production (within the gate's tolerances).
+
+The evaluation scores the candidate, its reference and the production policy on the same held-out prompts
+(`production_pretrain`). An unchanged night finds its candidate already in production: it is judged, as on the
+night it was promoted, against the policy it replaced, so the evaluation of that night is reused instead of run
+again.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel
+
+from infra.artifacts import ArtifactStore
+from pipeline.config import PromotionGate
+from pipeline.identity import StageResult
+from pipeline.report import MODELS, metrics_by_model, metrics_table
+
+PRODUCTION_ALIAS = "production"
+# Metrics are fractions and means in floating point: 0.51 - 0.50 must not exceed a tolerance of 0.01.
+ROUNDING = 1e-9
+
+
+class PromotionDecision(BaseModel):
+    """Whether the candidate is `production` after this run, why, and the numbers it was judged on."""
+
+    promoted: bool
+    already_production: bool = False  # promoted by an earlier run (an unchanged night)
+    stage: str
+    version: int
+    production_version: int | None  # the production policy compared with; None when there was none
+    reasons: list[str]
+    scores: dict[str, dict[str, float | int | str]]  # model (policy, reference, production) -> metric -> value
+
+
+def production_baseline(store: ArtifactStore, policy: StageResult) -> StageResult | None:
+    """The policy the candidate must not fall behind: the one `production` points at, or, when that is the
+    candidate itself (nothing changed since it was promoted), the one it replaced. None when there is none."""
+    record = store.alias_record(policy.stage, PRODUCTION_ALIAS)
+    if record is None:
+        return None
+    version = record["version"] if record["version"] != policy.version else record.get("previous")
+    return None if version is None else StageResult.from_manifest(store.get(policy.stage, version), reused=True)
+
+
+def check_gate(metrics: dict, gate: PromotionGate, production_version: int | None = None) -> tuple[bool, list[str]]:
+    """(passed, one line per criterion, failures first). `production_version`: the production policy the report
+    must have scored (its `production_` metrics), or None."""
+    failures, passes = [], []
+
+    def record(ok: bool, line: str) -> None:
+        (passes if ok else failures).append(line)
+
+    comparisons = 0
+    if "accuracy" in metrics and "reference_accuracy" in metrics:
+        comparisons += 1
+        gain = metrics["accuracy"] - metrics["reference_accuracy"]
+        record(gain >= gate.min_accuracy_gain - ROUNDING,
+               f"accuracy gain over the reference {gain:+.4f} (needs >= {gate.min_accuracy_gain:+.4f})")
+    if "reward_mean" in metrics and "reference_reward_mean" in metrics:
+        comparisons += 1
+        gain = metrics["reward_mean"] - metrics["reference_reward_mean"]
+        record(gain > gate.min_reward_gain,
+               f"reward gain over the reference {gain:+.4f} (needs > {gate.min_reward_gain:+.4f})")
+    if comparisons == 0:
+        record(False, "report has neither accuracy nor reward_mean with their reference_ values")
+
+    if production_version is not None:
+        against_production = 0
+        for name, tolerance in (("accuracy", gate.max_accuracy_regression),
+                                ("reward_mean", gate.max_reward_regression)):  # fmt: skip
+            if name in metrics and f"production_{name}" in metrics:
+                against_production += 1
+                regression = metrics[f"production_{name}"] - metrics[name]
+                record(regression <= tolerance + ROUNDING,
+                       f"{name} {metrics[name]:.4f} vs production v{production_version} "
+                       f"{metrics[f'production_{name}']:.4f}: regression {regression:+.4f} (tolerance {tolerance})")
+        if against_production == 0:
+            record(False, f"report has no production_ metrics although production v{production_version} exists")
+
+    kl = metrics.get("kl_mean")
+    if kl is None:
+        record(False, "report has no kl_mean")
+    else:
+        bound_ok = gate.max_kl_mean is None or kl <= gate.max_kl_mean
+        record(math.isfinite(kl) and bound_ok,
+               f"kl_mean {kl:.4f} (needs finite{'' if gate.max_kl_mean is None else f', <= {gate.max_kl_mean}'})")
+    return not failures, [f"FAIL {line}" for line in failures] + [f"ok   {line}" for line in passes]
+
+
+def scores_by_model(metrics: dict) -> dict[str, dict[str, float | int | str]]:
+    """{model: {metric: value}} of an evaluation report's metrics."""
+    scores: dict[str, dict[str, float | int | str]] = {}
+    for name, by_model in metrics_by_model(metrics).items():
+        for model, value in by_model.items():
+            scores.setdefault(model, {})[name] = value
+    return {model: scores[model] for model in MODELS if model in scores}
+
+
+def decide(policy: StageResult, report: StageResult, gate: PromotionGate, production: StageResult | None,
+           current_production: int | None) -> PromotionDecision:
+    """The gate's decision on `policy` from its evaluation `report`; `production` is the policy the report compared
+    it with, `current_production` the version the alias points at now."""
+    production_version = production.version if production is not None else None
+    passed, reasons = check_gate(report.metrics, gate, production_version)
+    already = current_production == policy.version
+    if already:
+        reasons.insert(0, f"already production: promoted by an earlier run (this evaluation "
+                          f"{'passes' if passed else 'fails'} the gate)")
+    return PromotionDecision(promoted=already or passed, already_production=already, stage=policy.stage,
+                             version=policy.version, production_version=production_version, reasons=reasons,
+                             scores=scores_by_model(report.metrics))
+
+
+def decision_markdown(decision: PromotionDecision, report_uri: str) -> str:
+    if decision.already_production:
+        verdict = "already `production`"
+    else:
+        verdict = "promoted to `production`" if decision.promoted else "**not promoted**"
+    against = ("no production policy yet" if decision.production_version is None
+               else f"production is {decision.stage} v{decision.production_version}")
+    metrics = {f"{model}_{name}" if model != "policy" else name: value
+               for model, values in decision.scores.items() for name, value in values.items()}
+    return (f"### {decision.stage} v{decision.version}: {verdict}\n\n"
+            f"Candidate {decision.stage} v{decision.version}, its reference, and {against}, on the same held-out "
+            f"prompts:\n\n{metrics_table(metrics)}\n\n"
+            + "\n".join(f"- `{line}`" for line in decision.reasons)
+            + f"\n\nreport: {report_uri}\n")

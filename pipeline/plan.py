@@ -1,0 +1,308 @@
+"""The plan (preflight): what a pipeline run can check before it spends a GPU-hour, in seconds, starting no job.
+
+    python -m flows.run --preset llama3-8b --plan
+
+- the stage graph of the config's shape: which stage's output feeds which field;
+- each stage's resolved command line (the flags its job runs with);
+- the Ray resources each stage asks for, against what the cluster offers;
+- which stages would be reused: a committed artifact with the same stage key (config, inputs, data content, code);
+- the schema of every dataset, checked on its first PLAN_ROWS rows.
+
+A problem (a dataset that cannot be read or fails its schema, a stage asking more than the cluster has, an artifact
+store that cannot be read) fails the plan with a message naming the stage and field. The flow runs the same checks
+as its first task, against the cluster it is about to use. Run by hand without RLHF_RAY_ADDRESS, the plan compares
+with this machine, the embedded Ray head's, and only notes what would not fit (a GPU preset planned on a laptop).
+A hub dataset is checked when the hub answers; without hub access it is listed as not checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from infra.artifacts import ArtifactError, open_store
+from infra.settings import Settings
+from pipeline.config import PipelineConfig, policy_stage, shape_inputs
+from pipeline.gate import PRODUCTION_ALIAS, production_baseline
+from pipeline.identity import StageResult, stage_code_version, stage_identity, stage_inputs
+from pipeline.prepare import prepare
+from stages.cli import flag_words
+from stages.config import STAGE_CONFIGS, StageConfig
+from stages.errors import DataValidationError
+from stages.fields import Dataset, Launcher, Output, fields_with, names_with
+from stages.fingerprint import dataset_fingerprint
+from stages.placement import bundle_resources, group_bundles
+
+PLAN_ROWS = 64  # rows of each dataset whose schema the plan checks
+# The flags that set how many bundles a stage asks for, for messages when they do not fit.
+RANK_FLAGS = {"rl": "*_num_nodes × *_num_gpus_per_node, vllm_num_engines × vllm_tensor_parallel_size",
+              "evaluate": "vllm_num_engines × vllm_tensor_parallel_size, num_gpus_per_node"}
+NODE_WAIT_S = 15.0  # a head started a moment ago lists its node within a few seconds
+
+
+class PreflightError(ValueError):
+    """The plan found problems; the message lists them, each naming the stage and field."""
+
+
+class ClusterResources(BaseModel):
+    """What the stages will be placed on."""
+
+    where: str
+    cpus: float
+    gpus: float
+    binding: bool  # whether asking for more than this fails the plan (a real cluster) or is only noted
+
+
+class DatasetCheck(BaseModel):
+    field: str
+    source: str
+    fingerprint: str
+    schema_check: str  # "ok (64 rows)" or "not checked: why"
+
+
+class StagePlan(BaseModel):
+    stage: str
+    inputs: dict[str, str]  # config field -> what feeds it ("sft", "production rl v3", ...)
+    command: str
+    device: str
+    bundles: int  # Ray placement bundles the stage asks for
+    bundle: dict[str, float]  # one bundle (on CPU the RL and evaluation roles take a share of a core each)
+    key: str | None  # None while an earlier stage would run: its output decides this key
+    reused_version: int | None
+    datasets: list[DatasetCheck]
+
+
+class Plan(BaseModel):
+    config: PipelineConfig  # as the stages will run it (tiny assets filled, local paths absolute)
+    cluster: ClusterResources
+    stages: list[StagePlan]
+    problems: list[str]
+    notes: list[str]
+
+    @property
+    def reused_everything(self) -> bool:
+        return all(stage.reused_version is not None for stage in self.stages)
+
+    def render(self) -> str:
+        config = self.config
+        lines = [f"pipeline {config.name!r}, shape {config.shape}: " + " -> ".join(config.stages),
+                 f"artifacts: {config.artifact_root}/{config.name}",
+                 f"cluster: {self.cluster.where}: {self.cluster.cpus:g} CPU, {self.cluster.gpus:g} GPU", ""]
+        for plan in self.stages:
+            fed = ", ".join(f"{field} <- {source}" for field, source in plan.inputs.items()) or "nothing"
+            asks = " + ".join(f"{value:g} {name}" for name, value in plan.bundle.items())
+            if plan.reused_version is not None:
+                reuse = f"reuse v{plan.reused_version} (stage key {plan.key[:16]})"
+            elif plan.key is None:
+                reuse = "run (an earlier stage runs: new inputs)"
+            else:
+                reuse = f"run (no committed artifact with stage key {plan.key[:16]})"
+            lines += [f"[{plan.stage}] inputs: {fed}",
+                      f"  ray: {plan.bundles} bundle(s) of {asks} on {plan.device}",
+                      f"  would {reuse}"]
+            lines += [f"  data {check.field}: {check.source} ({_short_fingerprint(check.fingerprint)}): schema "
+                      f"{check.schema_check}" for check in plan.datasets]
+            lines += ["  " + line for line in plan.command.splitlines()]
+            lines.append("")
+        lines += [f"note: {note}" for note in self.notes]
+        lines += [f"PROBLEM: {problem}" for problem in self.problems]
+        if not self.problems:
+            lines.append("every stage would be reused: nothing to run" if self.reused_everything
+                         else "plan OK: nothing found that would fail")
+        return "\n".join(lines)
+
+
+def _short_fingerprint(fingerprint: str) -> str:
+    kind, _, value = fingerprint.partition(":")
+    return f"{kind}:{value[:16]}" if kind in ("sha256", "s3", "dir") else fingerprint
+
+
+# ---------------------------------------------------------------------------------------------- the cluster
+
+def cluster_resources(ray_address: str | None, settings: Settings, *, local_binding: bool) -> ClusterResources:
+    """The cluster at `ray_address` (its alive nodes' totals), or this machine, where an embedded head runs;
+    `local_binding`: whether this machine is where the stages are about to run (the flow) or only the machine a
+    plan is made on (by hand)."""
+    if ray_address:
+        from ray.util.state import list_nodes
+
+        deadline = time.monotonic() + NODE_WAIT_S
+        while True:
+            nodes = [n for n in list_nodes(address=ray_address, detail=True, raise_on_missing_output=False)
+                     if n.state == "ALIVE"]
+            if nodes or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        return ClusterResources(where=f"Ray cluster at {ray_address} ({len(nodes)} node(s))", binding=True,
+                                cpus=sum(n.resources_total.get("CPU", 0) for n in nodes),
+                                gpus=sum(n.resources_total.get("GPU", 0) for n in nodes))  # fmt: skip
+    import torch
+
+    return ClusterResources(where="this machine (no RLHF_RAY_ADDRESS: the embedded Ray head)", binding=local_binding,
+                            cpus=settings.ray_num_cpus or os.cpu_count() or 1, gpus=torch.cuda.device_count())
+
+
+def ray_request(stage: str, cfg: StageConfig, device: str, cores: float) -> tuple[int, dict[str, float]]:
+    """(bundles, one bundle) that `stage` places with `cfg`, as its entrypoint does (stages/placement.py)."""
+    bundles = sum(group_bundles(stage, cfg).values())
+    return bundles, bundle_resources(stage, device, bundles, cores)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+def command_line(stage: str, values: dict, settings: Settings, width: int = 110) -> str:
+    """`python -m <prefix>.<stage>` with a flag for every value that differs from the stage's default, wrapped."""
+    cls = STAGE_CONFIGS[stage]
+    hidden = names_with(cls, Output, Launcher)  # the task sets outputs itself; a launcher its --local_rank
+    units = [f"python -m {settings.stage_module_prefix}.{stage}"]
+    for name, value in values.items():
+        default = cls.model_fields[name].default
+        if name in hidden or value == (list(default) if isinstance(default, tuple) else default):
+            continue
+        units.append(shlex.join(flag_words(name, value)))
+    units.append("--save_path <workspace>/output" + (" --ckpt_path <workspace>/ckpt" if "ckpt_path" in values else ""))
+    lines = [units[0]]
+    for unit in units[1:]:
+        if len(lines[-1]) + len(unit) + 1 > width:
+            lines[-1] += " \\"
+            lines.append("    " + unit)
+        else:
+            lines[-1] += " " + unit
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+def _first_rows(source: str, split: str, fingerprint: str):
+    """The first PLAN_ROWS rows of `source`, or a string saying why they cannot be read from here."""
+    from stages import data
+
+    if fingerprint.startswith("hub:") and fingerprint.endswith("@unresolved"):
+        return "not checked: the hub cannot be reached from here (the stage's job reads it on the cluster)"
+    if fingerprint.startswith("hub:"):
+        import datasets
+
+        path, split = data.split_source(source, split)
+        streamed = datasets.load_dataset(path, split=split, streaming=True).take(PLAN_ROWS)
+        return datasets.Dataset.from_list(list(streamed))
+    return data.load_rows(source, split=split, max_samples=PLAN_ROWS)
+
+
+def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[DatasetCheck]:
+    """Fingerprint and schema-check every dataset the stage reads; failures go to `problems`."""
+    validate_rows = importlib.import_module(f"stages.{stage}").validate_rows  # what the stage itself checks
+    checks = []
+    values = cfg.model_dump()
+    datasets = sorted(fields_with(type(cfg), Dataset).items(), key=lambda item: item[1].held_out)  # training first
+    for field, role in datasets:
+        source = values[field]
+        if not source:
+            continue
+        fingerprint = dataset_fingerprint(source)
+        if fingerprint == "missing":
+            problems.append(f"{stage}.{field}: {source} does not exist")
+            checks.append(DatasetCheck(field=field, source=source, fingerprint=fingerprint, schema_check="missing"))
+            continue
+        try:
+            rows = _first_rows(source, values[role.split], fingerprint)
+            if isinstance(rows, str):
+                result = rows
+            else:
+                validate_rows(cfg, rows, source)
+                result = f"ok ({len(rows)} rows)"
+        except DataValidationError as error:
+            problems.append(f"{stage}.{field}: {error}")
+            result = "FAILED"
+        checks.append(DatasetCheck(field=field, source=source, fingerprint=fingerprint, schema_check=result))
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | None, *, artifact_root: str,
+               local_binding: bool = False, log: Callable[[str], None] = print) -> Plan:  # fmt: skip
+    """The plan of `config` (prepared first: tiny assets built and filled in) against the cluster at
+    `ray_address` (None: this machine; see cluster_resources). Reads data and the artifact store; starts nothing."""
+    config = prepare(config, log)
+    cluster = cluster_resources(ray_address, settings, local_binding=local_binding)
+    problems: list[str] = []
+    notes: list[str] = []
+    wiring = shape_inputs(config.shape)
+    unused = [s for s in STAGE_CONFIGS if s not in config.stages]
+    if unused:
+        notes.append(f"sections not in shape {config.shape}: {', '.join(unused)} (not run)")
+    for stage, fed in wiring.items():
+        overridden = [f"{stage}.{field} ({config.section(stage).model_dump()[field]})" for field in fed
+                      if config.section(stage).model_dump()[field] is not None]  # fmt: skip
+        if overridden:
+            notes.append(f"{', '.join(overridden)}: set in the preset but fed by an earlier stage in this shape")
+
+    try:
+        store = open_store(artifact_root, config.name, log=log)
+        store.versions(config.stages[0])
+    except (ArtifactError, OSError) as error:
+        problems.append(f"artifact_root: cannot read the artifact store {artifact_root}: {error}")
+        store = None
+    results: dict[str, StageResult | None] = {}
+    plans = []
+    for stage in config.stages:
+        section = config.section(stage)
+        inputs = {field: f"{producer} output" for field, producer in wiring[stage].items()}
+        production = _production(store, config, results) if stage == "evaluate" and store is not None else None
+        if production is not None:
+            inputs["production_pretrain"] = f"production {production.stage} v{production.version}"
+        upstream = stage_inputs(config, stage, results, production)
+        shown = section.model_dump(mode="json") | {field: f"<{source}>" for field, source in inputs.items()}
+        device = section.device if section.device != "auto" else ("cuda" if cluster.gpus > 0 else "cpu")
+        bundles, bundle = ray_request(stage, type(section).model_validate(shown), device, cluster.cpus)
+        _check_fit(stage, device, bundles, bundle, cluster, problems, notes)
+        datasets = check_datasets(stage, section, problems)
+        key = reused = None
+        if store is not None and all(result is not None for result in upstream.values()):
+            key = stage_identity(config.name, stage, section, upstream, stage_code_version(settings, stage)).key
+            existing = store.find_by_stage_key(stage, key)
+            if existing is not None:
+                reused = existing.version
+                results[stage] = StageResult.from_manifest(existing, reused=True)
+        results.setdefault(stage, None)
+        plans.append(StagePlan(stage=stage, inputs=inputs, command=command_line(stage, shown, settings), device=device,
+                               bundles=bundles, bundle=bundle, key=key, reused_version=reused, datasets=datasets))
+    return Plan(config=config, cluster=cluster, stages=plans, problems=problems, notes=notes)
+
+
+def _production(store, config: PipelineConfig, results: dict) -> StageResult | None:
+    """The production policy the evaluation will score beside the candidate: the flow's production_policy of a
+    reused candidate, or (the candidate will be trained anew) what the alias points at now."""
+    candidate = results.get(policy_stage(config.shape))
+    if candidate is not None:
+        return production_baseline(store, candidate)
+    record = store.alias_record(policy_stage(config.shape), PRODUCTION_ALIAS)
+    return StageResult.from_manifest(store.get(policy_stage(config.shape), record["version"])) if record else None
+
+
+def _check_fit(stage: str, device: str, bundles: int, bundle: dict[str, float], cluster: ClusterResources,
+               problems: list[str], notes: list[str]) -> None:  # fmt: skip
+    needs = {name: bundles * amount for name, amount in bundle.items()}
+    has = {"GPU": cluster.gpus, "CPU": cluster.cpus}
+    short = [f"{needs[name]:g} {name} (has {has[name]:g})" for name in needs if needs[name] > has[name] + 1e-9]
+    if not short:
+        return
+    if device == "cuda" and not cluster.gpus:
+        fields = f"{stage}.device cuda"
+    else:
+        fields = f"{stage}.{RANK_FLAGS.get(stage, 'num_nodes × num_gpus_per_node')}"
+    message = f"{fields}: {stage} asks {bundles} bundle(s), {', '.join(short)}, of {cluster.where}"
+    (problems if cluster.binding else notes).append(
+        message if cluster.binding else message + "; set RLHF_RAY_ADDRESS to plan against the cluster it runs on"
+    )
+
+
+def raise_for_problems(plan: Plan) -> None:
+    if plan.problems:
+        raise PreflightError(f"preflight of pipeline {plan.config.name!r} found {len(plan.problems)} problem(s):\n"
+                             + "\n".join(f"- {problem}" for problem in plan.problems))

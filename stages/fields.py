@@ -1,0 +1,98 @@
+"""What a config field is, declared once where the field is defined (`Annotated[type, role]`).
+
+Everything that treats fields by what they are derives its list from these declarations: the stage key (datasets
+and reward files are fingerprinted, outputs left out), checkpoint ownership (fields that do not change training
+left out), the plan (schemas of datasets, placeholders for outputs), path resolution (local paths made absolute),
+the rehearsal (model stand-ins by kind, dataset fixtures, CPU values) and the once-per-run notes about flags that
+cannot act on CPU. A new dataset field needs nothing but its `Dataset(...)` role to enter all of them.
+
+    dataset: Annotated[str | None, Dataset(split="dataset_split")] = Field(None, description="...")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Data the stage reads: hub name, local file or folder, or s3:// URI. Its content is part of the stage key,
+    the plan checks its schema, the rehearsal replaces it by a fixture in the same format."""
+
+    split: str  # the field that names the split to read
+    held_out: bool = False  # rows to evaluate on, never trained on
+
+
+@dataclass(frozen=True)
+class ModelPath:
+    """A model the stage loads (HF dir, hub name or s3:// URI). `kind` is what the rehearsal puts in its place:
+    a model to fine-tune ("base"), a fine-tuned policy ("policy") or a value-head model ("scorer")."""
+
+    kind: Literal["base", "policy", "scorer"]
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    """A reward function: a Python file, read like data (its content is part of the stage key), or endpoints."""
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where the stage writes. The orchestration sets it per workspace; it is part of no identity."""
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """Set by a launcher for its process (`--local_rank`): part of no identity, never on a command line."""
+
+
+@dataclass(frozen=True)
+class NotTraining:
+    """Changes what is logged, evaluated or kept, not what is trained: checkpoints written with another value
+    may be resumed from."""
+
+
+@dataclass(frozen=True)
+class GpuOnly:
+    """Acts on GPUs only; on CPU it amounts to `cpu_value`, and a run set otherwise says `why` once."""
+
+    cpu_value: Any
+    why: str
+
+
+REWARD_SOURCE, OUTPUT, LAUNCHER, NOT_TRAINING = RewardSource(), Output(), Launcher(), NotTraining()
+Role = TypeVar("Role")
+
+
+def fields_with(config_cls: type[BaseModel], role: type[Role]) -> dict[str, Role]:
+    """{field name: its role declaration} of the fields of `config_cls` declared with a role of type `role`."""
+    found = {}
+    for name, field in config_cls.model_fields.items():
+        for item in field.metadata:
+            if isinstance(item, role):
+                found[name] = item
+    return found
+
+
+def names_with(config_cls: type[BaseModel], *roles: type) -> frozenset[str]:
+    """Names of the fields of `config_cls` declared with any of `roles`."""
+    return frozenset(name for role in roles for name in fields_with(config_cls, role))
+
+
+def path_fields(config_cls: type[BaseModel]) -> frozenset[str]:
+    """Fields that may name a local path: models, datasets, reward files."""
+    return names_with(config_cls, ModelPath, Dataset, RewardSource)
+
+
+def cpu_notes(cfg: BaseModel) -> list[str]:
+    """One line per GPU-only field of `cfg` set to what it cannot do on CPU, naming its flag as given."""
+    notes = []
+    for name, role in fields_with(type(cfg), GpuOnly).items():
+        value = getattr(cfg, name)
+        if value != role.cpu_value:
+            flag = (f"--{name}" if value else f"--no_{name}") if isinstance(value, bool) else f"--{name} {value}"
+            notes.append(f"{flag} has no effect on CPU: {role.why}")
+    return notes

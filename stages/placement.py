@@ -1,0 +1,68 @@
+"""Where a stage's ranks and rollout engines go: its placement groups, their bundles, and what one bundle holds.
+
+Plain arithmetic on the config and the cluster's cores, shared by the RL roles, the evaluation and the plan, so
+the plan asks the cluster for exactly what the stage will place.
+
+RL placement (OpenRLHF's flags):
+- separate (default): each model, and the rollout engines, on bundles of their own;
+- `--colocate_actor_ref`: actor and reference share bundles; `--colocate_critic_reward`: critic and reward model;
+- `--colocate_all_models` (hybrid engine): every model and the engines share the actor's bundles.
+Models sharing a bundle each take an equal fraction of it. A bundle is one GPU (and a core) on GPUs; on CPU the
+bundles of RL and evaluation are fractions of a core sized so that the whole placement fits the cluster's cores
+(their models take turns there), while an offline stage's ranks each take a core.
+"""
+
+from __future__ import annotations
+
+import math
+
+from stages.config import OFFLINE_STAGES, StageConfig
+
+ENGINES = "engines"  # the rollout engines' share of a placement
+
+
+def placement_plan(cfg) -> dict[str, list[str]]:
+    """RL: placement group name -> the roles sharing its bundles (the rollout engines as ENGINES)."""
+    roles = list(cfg.role_ranks())
+    if cfg.colocate_all_models:
+        return {"shared": [*roles, ENGINES]}
+    plan: dict[str, list[str]] = {"actor": ["actor"]}
+    if "ref" in roles:
+        plan.setdefault("actor" if cfg.colocate_actor_ref else "ref", []).append("ref")
+    if "critic" in roles:
+        plan["critic"] = ["critic"]
+    if "reward" in roles:
+        plan.setdefault("critic" if cfg.colocate_critic_reward and "critic" in roles else "reward", []).append("reward")
+    plan[ENGINES] = [ENGINES]
+    return plan
+
+
+def engine_bundles(cfg) -> int:
+    return cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
+
+
+def group_bundles(stage: str, cfg: StageConfig) -> dict[str, int]:
+    """Placement group name -> its bundles: one per rank or engine (tensor-parallel rank) it holds."""
+    if stage in OFFLINE_STAGES:
+        return {"ranks": cfg.world_size}
+    if stage == "rl":
+        ranks = cfg.role_ranks()
+        return {name: engine_bundles(cfg) if members == [ENGINES] else ranks[members[0]]
+                for name, members in placement_plan(cfg).items()}
+    if stage == "evaluate":  # the engines, and the reward model's ranks when one scores
+        return {ENGINES: engine_bundles(cfg), **({"reward": cfg.world_size} if cfg.reward_pretrain else {})}
+    raise ValueError(f"no placement for stage {stage!r}")
+
+
+def bundle_resources(stage: str, device: str, total_bundles: int, cores: float) -> dict[str, float]:
+    """One bundle of `stage`: a GPU and a core on GPUs; on CPU a core per offline rank, else an equal share of the
+    cluster's `cores` (at most one) so that `total_bundles` bundles fit."""
+    if device == "cuda":
+        return {"GPU": 1.0, "CPU": 1.0}
+    if stage in OFFLINE_STAGES:
+        return {"CPU": 1.0}
+    return {"CPU": math.floor(min(1.0, cores / total_bundles) * 100) / 100}
+
+
+def describe(plan: dict[str, list[str]], bundles: dict[str, int]) -> str:
+    return ", ".join(f"{'+'.join(members)}: {bundles[name]}" for name, members in plan.items())

@@ -1,0 +1,185 @@
+"""The code's own structure: field roles declared once and used everywhere, a stage's code version as what its job
+imports, layers that only import downward, no test hooks in product code."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+from pydantic import Field
+
+from infra.settings import get_settings
+from pipeline.code import PROJECT_ROOT, code_version, imported_modules, module_closure
+from pipeline.identity import stage_identity
+from stages.cli import parse_stage_args
+from stages.config import STAGE_CONFIGS, SFTConfig
+from stages.engine import training_fingerprint
+from stages.fields import NOT_TRAINING, Dataset, GpuOnly, ModelPath, Output, cpu_notes, fields_with, names_with
+
+LAYERS = ("infra", "stages", "pipeline", "tasks", "flows")  # each may import only itself and those before it
+STAGES = tuple(STAGE_CONFIGS)
+
+
+# ---------------------------------------------------------------------------------------------- field roles
+
+class SFTWithSideData(SFTConfig):
+    """An SFT config that someone extends with a second dataset, declaring nothing but its role."""
+
+    side_data: Annotated[str | None, Dataset(split="dataset_split")] = Field(None, description="more rows")
+    side_eval: Annotated[str | None, Dataset(split="eval_split", held_out=True), NOT_TRAINING] = Field(
+        None, description="more held-out rows")
+
+
+def test_a_new_dataset_field_enters_the_stage_key_and_checkpoint_ownership(tmp_path):
+    side, side_eval = tmp_path / "side.jsonl", tmp_path / "side_eval.jsonl"
+    side.write_text('{"input": "1+1", "output": "2"}\n')
+    side_eval.write_text('{"input": "2+2", "output": "4"}\n')
+    cfg = SFTWithSideData(side_data=str(side), side_eval=str(side_eval))
+
+    first = stage_identity("p", "sft", cfg, {}, code="c")
+    assert set(first.datasets) == {"side_data", "side_eval"}
+    owned = training_fingerprint("sft", cfg)
+    assert set(owned["data"]) == {"side_data"}  # held-out rows never make checkpoints another run's
+
+    side.write_text('{"input": "1+1", "output": "3"}\n')  # new content at the same path
+    assert stage_identity("p", "sft", cfg, {}, code="c").key != first.key
+    changed = training_fingerprint("sft", cfg)
+    assert changed["data"] != owned["data"]
+    side_eval.write_text('{"input": "2+2", "output": "5"}\n')
+    assert training_fingerprint("sft", cfg) == changed
+
+
+def test_every_stage_declares_its_data_models_and_outputs():
+    for stage, cls in STAGE_CONFIGS.items():
+        datasets = fields_with(cls, Dataset)
+        assert datasets and all(role.split in cls.model_fields for role in datasets.values()), stage
+        assert "pretrain" in fields_with(cls, ModelPath), stage
+        assert {"save_path"} <= names_with(cls, Output), stage
+    assert set(fields_with(STAGE_CONFIGS["evaluate"], Dataset)) == {"prompt_data"}
+    assert fields_with(STAGE_CONFIGS["evaluate"], Dataset)["prompt_data"].held_out
+
+
+def test_gpu_only_flags_say_once_that_they_cannot_act_on_cpu():
+    cfg = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False)
+    notes = cpu_notes(cfg)
+    assert [note.split()[0] for note in notes] == ["--flash_attn", "--no_enforce_eager", "--vllm_enable_sleep",
+                                                   "--deepspeed_enable_sleep", "--vllm_sync_backend"]
+    assert all("has no effect on CPU: " in note for note in notes)
+    quiet = cfg.model_copy(update={name: role.cpu_value for name, role in fields_with(type(cfg), GpuOnly).items()})
+    assert cpu_notes(quiet) == []
+
+
+# ---------------------------------------------------------------------------------------------- code versions
+
+@pytest.fixture(scope="module")
+def project_copy(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    for package in LAYERS:
+        shutil.copytree(PROJECT_ROOT / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def versions(root: Path) -> dict[str, str]:
+    return {stage: code_version(f"stages.{stage}", root) for stage in STAGES}
+
+
+def edited(root: Path, relative: str, old: str, new: str) -> None:
+    path = root / relative
+    text = path.read_text()
+    assert text.count(old) == 1, (relative, old)
+    path.write_text(text.replace(old, new))
+
+
+def test_a_stage_code_version_is_the_code_its_job_runs(project_copy):
+    assert versions(project_copy) == versions(PROJECT_ROOT)
+    before = versions(project_copy)
+    # Code no stage job runs: the rehearsal, a help string of the orchestration's settings, the plan.
+    edited(project_copy, "pipeline/rehearsal.py", "MAX_RANKS = 2", "MAX_RANKS = 2  # edited")
+    edited(project_copy, "infra/settings.py", "unset = start a local head on demand",
+           "unset = start a local Ray head on demand")
+    edited(project_copy, "pipeline/plan.py", "PLAN_ROWS = 64", "PLAN_ROWS = 65")
+    assert versions(project_copy) == before
+    # The algorithms: every stage that computes with them, RL among them.
+    edited(project_copy, "stages/algorithms.py", "KL_CLAMP = 10.0", "KL_CLAMP = 11.0")
+    after = versions(project_copy)
+    assert after["rl"] != before["rl"] and after["sft"] != before["sft"]
+    # The RL driver alone: only RL.
+    edited(project_copy, "stages/rl.py", "SEQUENTIAL_PHASES = (", "SEQUENTIAL_PHASES = (  # edited\n   ")
+    assert {stage for stage, version in versions(project_copy).items() if version != after[stage]} == {"rl"}
+
+
+def test_the_code_version_setting_overrides_the_closure(monkeypatch):
+    from pipeline.identity import stage_code_version
+
+    assert stage_code_version(get_settings(), "rl") == code_version("stages.rl")
+    monkeypatch.setenv("RLHF_CODE_VERSION", "release-1.2")
+    assert stage_code_version(get_settings(), "rl") == "release-1.2"
+
+
+def test_the_closure_follows_imports_in_functions_and_skips_other_modules_main_blocks(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "entry.py").write_text("def run():\n    from pkg import lazy\n\nif __name__ == '__main__':\n"
+                                      "    from pkg import script_only\n")
+    (package / "lazy.py").write_text("from . import helper\n\nif __name__ == '__main__':\n    import pkg.cli\n")
+    for name in ("helper", "script_only", "cli"):
+        (package / f"{name}.py").write_text("")
+    assert sorted(module_closure("pkg.entry", tmp_path)) == ["pkg", "pkg.entry", "pkg.helper", "pkg.lazy",
+                                                            "pkg.script_only"]
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+def project_imports() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (anywhere but in its `__main__` block)."""
+    graph = {}
+    for layer in LAYERS:
+        for path in sorted((PROJECT_ROOT / layer).rglob("*.py")):
+            parts = path.relative_to(PROJECT_ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            graph[name] = imported_modules(PROJECT_ROOT, name, ast.parse(path.read_text()), entry=False)
+    return graph
+
+
+def test_no_import_cycle():
+    graph = project_imports()
+
+    def reaches(start: str, target: str) -> bool:
+        seen, pending = set(), list(graph[start])
+        while pending:
+            name = pending.pop()
+            if name == target:
+                return True
+            if name not in seen and name in graph:
+                seen.add(name)
+                pending += graph[name]
+        return False
+
+    cycles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if b in graph and b != a and reaches(b, a)})
+    assert not cycles, f"import cycles through: {cycles}"
+
+
+def test_every_layer_imports_only_downward_and_only_the_orchestration_imports_prefect():
+    upward = []
+    for module, imports in project_imports().items():
+        layer = LAYERS.index(module.split(".")[0])
+        upward += [f"{module} -> {name}" for name in imports if LAYERS.index(name.split(".")[0]) > layer]
+    assert not upward, upward
+    for layer in ("infra", "stages", "pipeline"):
+        for path in (PROJECT_ROOT / layer).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+            names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+            assert not any(name.split(".")[0] == "prefect" for name in names), path
+
+
+def test_no_product_module_reads_a_test_hook():
+    for layer in LAYERS:
+        for path in (PROJECT_ROOT / layer).rglob("*.py"):
+            text = path.read_text()
+            assert "FAULT_INJECT" not in text and "_PAUSE" not in text, path
+    assert get_settings().job_env_passthrough == []
