@@ -82,7 +82,7 @@ class KillJobAfterCheckpoint(threading.Thread):
         self.pattern = f"{pipeline}/{stage}/*/ckpt/latest_step.json"
         self.workspace, self.stage, self.timeout_s = workspace, stage, timeout_s
         self.killed_pid: int | None = None
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def driver(self) -> psutil.Process | None:
         for process in psutil.process_iter(["cmdline"]):
@@ -93,7 +93,7 @@ class KillJobAfterCheckpoint(threading.Thread):
 
     def run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
+        while not self._done.is_set() and time.monotonic() < deadline:
             if any(self.workspace.glob(self.pattern)) and (driver := self.driver()) is not None:
                 self.killed_pid = driver.pid
                 kill_tree(driver.pid)
@@ -101,5 +101,5 @@ class KillJobAfterCheckpoint(threading.Thread):
             time.sleep(0.05)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join(timeout=10)

@@ -1,5 +1,5 @@
 """A Prefect server, `prefect deploy` of prefect.yaml and process workers, as an operator runs them, for the tests
-that drive whole deployment runs (test_deployment, test_crashes)."""
+that drive whole deployment runs (test_deployment)."""
 
 from __future__ import annotations
 

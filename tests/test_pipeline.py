@@ -340,3 +340,8 @@ def test_gpu_preset_rehearsed_on_cpu_end_to_end(rehearsals, preset):
             preset_value = preset_values[field]  # a relative path is made absolute for the jobs
             assert value == preset_value or value == str((PROJECT_ROOT / str(preset_value)).resolve()), (stage, field)
     assert store.get(policy_stage(config.shape), 1).metrics["steps"] >= 2
+    logged = out + run["done"].stderr  # the stages' job logs come through the flow's log
+    if preset == "llama3-8b":  # PPO on the hybrid engine: every model on 2 CPU ranks, the GPU-only flags said once
+        assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in logged
+        for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
+            assert logged.count(f"[rl] --{flag} has no effect on CPU") == 1

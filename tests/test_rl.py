@@ -1,9 +1,9 @@
-"""The RL stage for real (`python -m stages.rl`, 2 CPU ranks per model) on the tiny task.
+"""The RL stage for real (`python -m stages.rl`) on the tiny task, one CPU rank per model as the tiny preset runs it.
 
-PPO with a critic and the reward model, every other advantage estimator, every placement, exact resume over two
-ranks per model, reward functions that break and endpoints that are down, and the llama3-8b preset's RL section
-rehearsed on CPU. The tiny preset runs one rank per model with HF generate; the runs that stream weights into vLLM
-engines say so. One SFT model and one reward model (module fixtures) feed every run.
+PPO with a critic and the reward model, every other advantage estimator, every placement, exact resume, reward
+functions that break and endpoints that are down, and the seed's PPO command rehearsed on CPU (two ranks per model).
+The tiny preset generates with HF; the runs that stream weights into vLLM engines say so. The session's SFT model
+and reward model (conftest.py) feed every run.
 """
 
 from __future__ import annotations
@@ -30,26 +30,6 @@ RULE_REWARD = "stages/tiny_reward.py"
 # rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
 PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
        "--critic_learning_rate", "3e-4", "--normalize_reward")
-TWO_RANKS_EACH = tuple(word for role in ("actor", "critic", "ref", "reward")
-                       for word in (f"--{role}_num_gpus_per_node", 2))
-
-
-@pytest.fixture(scope="module")
-def sft_model(assets, tmp_path_factory) -> Path:
-    """The tiny preset's SFT: 3 epochs on noisy demonstrations, greedy answers mostly wrong (about 2.5% right)."""
-    out = tmp_path_factory.mktemp("sft")
-    run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--save_path", out / "model",
-              "--ckpt_path", out / "ckpt")
-    return out / "model"
-
-
-@pytest.fixture(scope="module")
-def reward_model(assets, sft_model, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("rm")
-    run_stage("reward_model", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset",
-              assets["pref_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt")
-    assert metrics_of(out / "model")["eval_accuracy"] >= 0.95
-    return out / "model"
 
 
 def rl(tmp: Path, sft_model: Path, assets, *flags, env: dict | None = None, expect_rc: int = 0, name: str = "run"):
@@ -85,11 +65,11 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
 
 
 def test_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model, reward_model):
-    """Hybrid engine (everything colocated, two ranks per model) with an adaptive KL controller: killed after the
-    checkpoint of step 3, restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt
-    position, RNG)."""
+    """Hybrid engine (everything colocated) with an adaptive KL controller: killed after the checkpoint of step 3,
+    restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt position, RNG).
+    (Exact resume over two ranks, ZeRO-2 and ZeRO-3, is tests/test_stages.py's.)"""
     flags = (*PPO, "--reward_pretrain", reward_model, "--max_samples", 192, "--save_steps", 3, "--kl_target", "1.0",
-             "--colocate_all_models", *TWO_RANKS_EACH)
+             "--colocate_all_models")
     full, _ = rl(tmp_path, sft_model, assets, *flags, name="full")
     resumed_dir = tmp_path / "resumed"
     run_killed_at_checkpoint(stage_command("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
@@ -168,12 +148,11 @@ def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sf
     assert "reward_func in" in proc.stderr and "nan_reward.py returned non-finite rewards (nan) at index 3" in proc.stderr
 
 
-@pytest.mark.parametrize("source", ["llama3-8b preset", "seed PPO command"])
-def test_gpu_configs_rehearsed_on_cpu(source, tmp_path, assets, sft_model, reward_model):
-    """The llama3-8b preset's RL section (PPO, hybrid engine, ZeRO-3, bf16, sleep, packing) and the seed's PPO
-    command (Workflow 1 step 2, our module path) run two rollouts with only the stated swaps."""
-    argv = ["--config", "llama3-8b"] if source.startswith("llama3") else stage_argv(SEED_PPO)[1]
-    preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
+def test_the_seed_ppo_command_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model):
+    """The seed's PPO command (Workflow 1 step 2, our module path: hybrid engine, ZeRO-3, bf16, sleep modes) runs
+    two rollouts with only the stated swaps. (The llama3-8b preset's RL section is rehearsed, in its pipeline, by
+    tests/test_pipeline.py.)"""
+    preset = parse_stage_args("rl", stage_argv(SEED_PPO)[1], require_inputs=False).model_dump(mode="json")
     stand_ins = StandIns(base_model=str(assets["model"]), policy_model=str(sft_model), reward_model=str(reward_model),
                          data_dir=assets["prompts_train"].parent, fixtures_dir=tmp_path / "fixtures")
     values, swaps = rehearse_stage("rl", preset, stand_ins)
