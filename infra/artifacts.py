@@ -320,7 +320,8 @@ def _transport_error_types() -> tuple[type, ...]:
     types: list[type] = [ConnectionError, TimeoutError, asyncio.TimeoutError, http.client.HTTPException]
     for module, names in (("aiohttp", ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError")),
                           ("botocore.exceptions", ("ConnectionError", "HTTPClientError", "ReadTimeoutError")),
-                          ("httpx", ("TransportError",)), ("requests.exceptions", ("ConnectionError", "Timeout")),
+                          ("httpx", ("TransportError",)), ("httpx2", ("TransportError",)),
+                          ("requests.exceptions", ("ConnectionError", "Timeout")),
                           ("urllib3.exceptions", ("ProtocolError", "TimeoutError"))):  # fmt: skip
         try:
             imported = __import__(module, fromlist=list(names))
@@ -330,10 +331,23 @@ def _transport_error_types() -> tuple[type, ...]:
     return tuple(types)
 
 
+def _unreached(error: BaseException | None) -> bool:
+    """Whether `error`, or one it was raised while handling, says a server was not reached: huggingface_hub's
+    LocalEntryNotFoundError ("cannot find the requested files in the local cache"), which datasets re-raises as
+    a FileNotFoundError."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ == "LocalEntryNotFoundError":
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _verdict(error: BaseException) -> bool | None:
     """True: an outage; False: an answer (missing, forbidden, invalid); None: this error alone does not say."""
     if isinstance(error, PERMANENT_ERRORS):
-        return False
+        return _unreached(error)
     status = _http_status(error)
     code = getattr(error, "response", None)
     code = code.get("Error", {}).get("Code") if isinstance(code, dict) else None
@@ -384,6 +398,16 @@ def retrying(what: str, operation: Callable[[], T], retry_for_s: float, log: Cal
             log(f"{what} failed ({type(error).__name__}: {error}); retrying in {delay:.0f}s")
             time.sleep(delay)
             delay = min(delay * 2, _MAX_BACKOFF_S)
+
+
+def file_exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether `path` exists; unlike fsspec's exists/isfile, which answer False for any error, an outage raises
+    (an S3 503 must not read as "no manifest here")."""
+    try:
+        fs.info(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _modified(info: dict) -> float | None:
@@ -504,7 +528,7 @@ class ArtifactStore:
                 self.fs.mv(src, dst)
             except FileNotFoundError:
                 self.fs.invalidate_cache()
-                if not self.fs.exists(dst):
+                if not file_exists(self.fs, dst):
                     raise
 
         self._retrying(f"move of {self._uri(src)}", attempt)
@@ -560,7 +584,7 @@ class ArtifactStore:
         """Whether ``path`` (a staging entry or a version folder) is still a leftover: nothing under it changed
         after ``cutoff``, and a version folder still has no manifest."""
         self.fs.invalidate_cache()
-        if _VERSION_PATH.search(path) and self.fs.exists(f"{path}/{MANIFEST_NAME}"):
+        if _VERSION_PATH.search(path) and file_exists(self.fs, f"{path}/{MANIFEST_NAME}"):
             return False  # its writer finished meanwhile
         changed = self._newest_change(path)
         return changed is None or changed <= cutoff
@@ -868,8 +892,9 @@ def is_version_folder(location: str) -> bool:
         return False
     fs, path = fsspec.core.url_to_fs(location, **storage_options_from_env(location))
     settings = StoreSettings()
-    return retrying(f"look-up of {location}/{MANIFEST_NAME}", lambda: fs.isfile(f"{path.rstrip('/')}/{MANIFEST_NAME}"),
-                    settings.artifact_retry_s, lambda message: print(f"artifact store: {message}", file=sys.stderr))
+    return retrying(f"look-up of {location}/{MANIFEST_NAME}",
+                    lambda: file_exists(fs, f"{path.rstrip('/')}/{MANIFEST_NAME}"), settings.artifact_retry_s,
+                    lambda message: print(f"artifact store: {message}", file=sys.stderr))
 
 
 def open_version(location: str, log: Callable[[str], None] | None = None) -> tuple[ArtifactStore, Manifest]:

@@ -255,3 +255,21 @@ def test_crash_retries_are_counted_since_the_run_was_last_scheduled_by_hand():
     assert automatic_retries_in_a_row(history) == 2
     history += [at(7, Running()), at(8, Crashed()), at(9, by_hand)]
     assert automatic_retries_in_a_row(history) == 0
+
+
+def test_wandb_files_stay_outside_the_output_and_its_config_is_redacted(tmp_path, monkeypatch):
+    from stages.config import EvaluateConfig
+    from stages.tracking import StepLog
+
+    for name in ("WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    output = tmp_path / "output"
+    cfg = EvaluateConfig(save_path=str(output), use_wandb=True, remote_rm_url=f"http://u:{CANARY}@rm.internal/r")
+    log = StepLog("evaluate", cfg, total_steps=1)
+    log.log(1, {"step": 1, "reward": 0.5})
+    log.close()
+    written = {path: path.read_bytes() for path in (tmp_path / "output.wandb").rglob("*") if path.is_file()}
+    assert written and not output.exists()  # nothing of W&B in what is committed as the artifact
+    assert [path for path, data in written.items() if CANARY.encode() in data] == []
