@@ -644,7 +644,8 @@ class ArtifactStore:
                 raise AliasMoved(f"alias {alias!r} of {stage} points at {_version_name(pointed)}, not "
                                  f"{_version_name(expected)} as expected: it was moved meanwhile", pointed)
             previous = pointed if pointed != version else (current or {}).get("previous")
-            record = {"alias": alias, "version": version, "previous": previous, "move": (current or {}).get("move", 0) + 1,
+            move = (current or {}).get("move", 0) + 1
+            record = {"alias": alias, "version": version, "previous": previous, "move": move,
                       "updated_at": datetime.now(timezone.utc).isoformat()}
             try:
                 self._create_exclusive(f"{moves}/{record['move']:06d}.json", json.dumps(record).encode())

@@ -124,7 +124,7 @@ class PromotionGate(StrictModel):
     require_approval: bool = Field(
         False,
         description="a candidate that passes is promoted only when a person approves it: the flow run pauses with a "
-        "form in the Prefect UI (the evaluation report linked), or `python -m flows.approve <flow-run-id>`",
+        "form in the Prefect UI (the evaluation report linked), or `python -m flows.approval <flow-run-id>`",
     )
     approval_timeout_s: float = Field(
         24 * 3600.0, gt=0, description="seconds a paused run waits for the approval; then the candidate is rejected",

@@ -88,7 +88,9 @@ class StageConfig(StrictModel):
     required_inputs: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     device: Device = Field("auto", description="where ranks run: cuda, cpu, or auto (cuda when the cluster has GPUs)")
-    seed: Annotated[int, RUN_OVERRIDE] = Field(42, description="random seed for initialisation, data order and sampling")
+    seed: Annotated[int, RUN_OVERRIDE] = Field(
+        42, description="random seed for initialisation, data order and sampling",
+    )
     save_path: OutputPath = Field(
         "./ckpt", description="output directory: HF model (safetensors + tokenizer) or report, and metrics.json",
     )

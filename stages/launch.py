@@ -125,7 +125,8 @@ def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str
     cfg = parse_stage_args(stage, argv)
     silence_known_noise()
     first_rank = os.environ.get("RANK", "0") == "0"  # under a launcher rank 0 checks and holds the lock
-    lock = writer_lock(writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None))) if first_rank else nullcontext()
+    target = writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None))
+    lock = writer_lock(target) if first_rank else nullcontext()
     try:
         with lock:
             if first_rank:

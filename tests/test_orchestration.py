@@ -30,9 +30,10 @@ from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import get_settings
 from pipeline.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
 from stages.launch import writer_lock, writer_lock_path
-from tasks.promote import promote
+from tasks.promote import judge, promote
+from tasks.results import persisted
 from pipeline.identity import StageResult, resolve_config, stage_code_version, stage_key
-from tasks.run_stage import StageConfigError, StageError, StageTimeout, result_storage, stage_task, submission_id
+from tasks.run_stage import StageConfigError, StageError, StageTimeout, stage_task, submission_id
 
 PIPELINE = "toy-pipe"
 
@@ -71,6 +72,7 @@ def env(tmp_path, monkeypatch, prefect_server, ray_address):
     monkeypatch.setenv("RLHF_RAY_ADDRESS", ray_address)
     monkeypatch.setenv("RLHF_RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("RLHF_WORKSPACE_ROOT", str(tmp_path / "workspace"))
+    monkeypatch.setenv("RLHF_RESULT_STORAGE", str(tmp_path / "results"))
     monkeypatch.setenv("RLHF_STAGE_MODULE_PREFIX", "tests.fake_stages")
     monkeypatch.setenv("RLHF_POLL_INTERVAL_S", "0.3")
     monkeypatch.setenv("RLHF_MAX_RETRIES", "1")
@@ -276,8 +278,9 @@ def test_running_attempt_is_reattached_not_duplicated(env):
 
 @flow(name="toy-promote")
 def promote_flow(policy: StageResult, report: StageResult, gate: PromotionGate, artifact_root: str):
-    persisted = promote.with_options(result_storage=result_storage(get_settings()))
-    return persisted(policy, report, gate, artifact_root=artifact_root)
+    options = persisted(get_settings())
+    decision = judge.with_options(**options)(policy, report, gate, artifact_root=artifact_root)
+    return promote.with_options(**options)(decision, report, pipeline=PIPELINE, artifact_root=artifact_root)
 
 
 def test_promote_moves_production_only_when_the_gate_passes(env):
@@ -315,7 +318,8 @@ def shape_runs(prefect_server, ray_address, tmp_path_factory):
     runs = {}
     with pytest.MonkeyPatch.context() as env:
         for name, value in {"RLHF_RAY_ADDRESS": ray_address, "RLHF_RAY_AUTH_MODE": "disabled",
-                            "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"), "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages",
+                            "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"), "RLHF_RESULT_STORAGE": str(tmp / "results"),
+                            "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages",
                             "RLHF_POLL_INTERVAL_S": "0.3", "RLHF_MAX_RETRIES": "0"}.items():  # fmt: skip
             env.setenv(name, value)
         env.delenv("RLHF_ARTIFACT_ROOT", raising=False)
