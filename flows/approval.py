@@ -28,6 +28,7 @@ from pydantic import Field
 from pipeline.config import PromotionGate
 from pipeline.gate import PromotionDecision, decision_markdown
 from pipeline.report import ReportResult
+from tasks.run_stage import artifact_key
 
 POLL_S = 5
 
@@ -56,7 +57,8 @@ def approval_request(decision: PromotionDecision, report: ReportResult, gate: Pr
 def await_approval(decision: PromotionDecision, report: ReportResult, gate: PromotionGate) -> PromotionDecision:
     """Pause the flow run until a person answers the form; the decision as they answered, rejected on timeout."""
     logger = get_run_logger()
-    key = f"approve-{decision.stage}-v{decision.version}-over-{decision.production_version}"
+    # One pause per candidate and baseline: a retried run that was answered before gets the same answer.
+    key = artifact_key("approve", decision.stage, f"v{decision.version}", "over", str(decision.production_version))
     form = Approval.with_initial_data(description=approval_request(decision, report, gate), approve=False)
     logger.info(f"waiting up to {gate.approval_timeout_s:.0f} s for a person to approve {decision.stage} "
                 f"v{decision.version} (the run's page in the UI, or python -m flows.approval <flow-run-id>)")

@@ -185,7 +185,6 @@ def crashed_run(tmp_path_factory):
         stack.up()
         worker, worker_log = stack.start_worker("worker-1", worker_env)
         config = small_tiny_config(
-            tmp,
             sft={"max_samples": 1280, "save_steps": 5, "logging_steps": 5},  # 40 steps: time to kill a rank
             reward_model={"max_samples": 256, "save_steps": 2},
         )

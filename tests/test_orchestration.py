@@ -6,7 +6,11 @@ field, reuse across shapes and runs, and the gate against the production policy.
 
 from __future__ import annotations
 
+import contextvars
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -22,6 +26,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
+from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 from prefect.testing.utilities import prefect_test_harness
 from pydantic import BaseModel
@@ -29,7 +34,7 @@ from pydantic import BaseModel
 from flows.full_rlhf import full_rlhf
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
-from infra.settings import get_settings
+from infra.settings import PROJECT_ROOT, get_settings
 from pipeline.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
 from stages.launch import writer_lock, writer_lock_path
 from tasks.promote import judge, promote
@@ -515,3 +520,34 @@ def test_of_two_concurrent_promotions_the_better_policy_stays_production(env):
     assert any(line.startswith("FAIL accuracy") and "vs production v2" in line for line in decision.reasons)
     compared = [store.get("evaluate", v).inputs["production_pretrain"].digest for v in store.versions("evaluate")[-2:]]
     assert compared == [old.stages["dpo"].digest, strong.stages["dpo"].digest]  # evaluated again, against the new one
+
+
+def test_a_run_waiting_for_approval_is_rejected_from_the_command_line(env):
+    from prefect.settings import PREFECT_API_URL
+
+    config = load_pipeline_config("tiny", {
+        "artifact_root": env["root"], "tiny_assets_dir": str(Path(env["root"]).parent / "tiny-assets"),
+        "shape": "dpo", "gate": {"require_approval": True, "approval_timeout_s": 300}})  # fmt: skip
+    answered = {}
+
+    def answer_when_paused():  # as an operator does, from another shell
+        deadline = time.monotonic() + 300
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                paused = [run for run in client.read_flow_runs() if run.state_type == StateType.PAUSED]
+                if paused:
+                    answered["cli"] = subprocess.run(
+                        [sys.executable, "-m", "flows.approval", str(paused[0].id), "--reject", "--comment",
+                         "the reference answers better"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, timeout=120)  # fmt: skip
+                    return
+                time.sleep(0.5)
+
+    # The thread sees this test's Prefect server (Prefect's settings live in a context variable).
+    answering = threading.Thread(target=contextvars.copy_context().run, args=(answer_when_paused,), daemon=True)
+    answering.start()
+    decision = full_rlhf(config, return_state=True).result().promotion
+    answering.join(timeout=30)
+    assert answered["cli"].returncode == 0 and "rejected" in answered["cli"].stdout, answered["cli"].stderr
+    assert not decision.promoted and decision.approval == "rejected: the reference answers better"
+    assert "production" not in open_store(env["root"], "tiny").aliases("dpo")
