@@ -14,6 +14,17 @@ Without RLHF_RAY_ADDRESS the flow runs its stages on the workspace's embedded Ra
 a retry after the flow's process was killed adopts the head the killed process left running and re-attaches to
 its job. A run put back by the `--retry-crashed` automation (flows/server_setup.py) more than
 RLHF_MAX_CRASH_RETRIES times in a row fails at once instead.
+
+A run of a deployment may set otherwise than the deployment's own `config` parameter only the fields declared
+RunOverride (stages/fields.py): how much to train, how often to checkpoint and log, the seed, the rollout engine.
+Everything else (models, data, reward sources, the gate, where artifacts go) is the deployment's; a run that
+changes it fails before it starts anything.
+
+The end of a run: the evaluation of the candidate beside its reference and the production policy, the report, the
+gate's decision, with `gate.require_approval` a pause for a person's approval (a form in the Prefect UI, or
+`python -m flows.approve`; no answer within `gate.approval_timeout_s` rejects), and the promotion, a
+compare-and-swap against the production policy the gate compared with. When another run moved production
+meanwhile, the evaluation runs again against the new production before the gate decides again.
 """
 
 from __future__ import annotations
@@ -26,20 +37,31 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.context import get_run_context
 
+from flows.approval import await_approval
 from flows.results import PipelineResult
 from flows.server_setup import AUTO_RETRY_MESSAGE
 from infra.ray_cluster import ray_address_in_env
 from infra.settings import Settings, get_settings
-from pipeline.config import PipelineConfig, policy_stage
+from pipeline.config import PipelineConfig, policy_stage, refused_overrides, run_overrides, validate_pipeline
+from pipeline.gate import PromotionDecision
 from pipeline.identity import StageResult, stage_inputs
+from pipeline.report import ReportResult
 from tasks.preflight import preflight
-from tasks.promote import production_policy, promote
+from tasks.promote import judge, production_policy, promote
 from tasks.report import publish_report
-from tasks.run_stage import result_storage, stage_task
+from tasks.results import RESULT_SERIALIZER, persisted
+from tasks.run_stage import stage_task
+
+# Evaluations against a production policy that other runs keep moving, before this run gives up promoting.
+MAX_PROMOTION_ROUNDS = 3
 
 
 class CrashLoop(RuntimeError):
     """The run was retried automatically after crashes too many times in a row."""
+
+
+class OverrideRefused(ValueError):
+    """A deployment run's config changes fields that only the deployment sets."""
 
 
 def automatic_retries_in_a_row(states) -> int:
@@ -59,22 +81,36 @@ def artifact_root_for(config: PipelineConfig, settings: Settings) -> str:
     return root if "://" in root else str(Path(root).expanduser().resolve())
 
 
+def check_run(config: PipelineConfig, settings: Settings) -> None:
+    """Refuse a crash loop, and a deployment run whose config changes more than RunOverride fields."""
+    flow_run = get_run_context().flow_run
+    with get_client(sync_client=True) as client:
+        retries = automatic_retries_in_a_row(client.read_flow_run_states(flow_run.id))
+        deployment = client.read_deployment(flow_run.deployment_id) if flow_run.deployment_id else None
+    if retries > settings.max_crash_retries:
+        raise CrashLoop(f"crashed and was retried automatically {retries} times in a row (RLHF_MAX_CRASH_RETRIES="
+                        f"{settings.max_crash_retries}); not running again: find the cause, then retry by hand")
+    if deployment is not None:
+        deployed = validate_pipeline(deployment.parameters["config"], f"deployment {deployment.name}'s config")
+        refused = refused_overrides(deployed, config)
+        if refused:
+            raise OverrideRefused(f"this run of deployment {deployment.name} changes {', '.join(refused)}: only the "
+                                  f"deployment sets them; a run may set {', '.join(run_overrides())}")
+
+
 # The flow's own result (small) goes to Prefect's default result storage: PREFECT_LOCAL_STORAGE_PATH, or
-# PREFECT_DEFAULT_RESULT_STORAGE_BLOCK in production; the stage results to the settings' result storage.
-@flow(name="full-rlhf", persist_result=True)
+# PREFECT_DEFAULT_RESULT_STORAGE_BLOCK in production, as JSON; the tasks' to the checked result storage
+# (tasks/results.py), which a retried run loads them from.
+@flow(name="full-rlhf", persist_result=True, result_serializer=RESULT_SERIALIZER)
 def full_rlhf(config: PipelineConfig) -> PipelineResult:
     """The stages of `config.shape` in order, then evaluation and the promotion gate: the candidate policy becomes
     `production` only if it beats its reference and does not fall behind the current production policy."""
     settings = get_settings()
     logger = get_run_logger()
-    with get_client(sync_client=True) as client:
-        retries = automatic_retries_in_a_row(client.read_flow_run_states(get_run_context().flow_run.id))
-    if retries > settings.max_crash_retries:
-        raise CrashLoop(f"crashed and was retried automatically {retries} times in a row (RLHF_MAX_CRASH_RETRIES="
-                        f"{settings.max_crash_retries}); not running again: find the cause, then retry by hand")
+    check_run(config, settings)
     root = artifact_root_for(config, settings)
-    persisted = {"result_storage": result_storage(settings)}
-    plan = preflight.with_options(**persisted)(config, artifact_root=root, ray_address=settings.ray_address)
+    options = persisted(settings)
+    plan = preflight.with_options(**options)(config, artifact_root=root, ray_address=settings.ray_address)
     config = plan.config
     # A night without changes needs no cluster: every stage is found committed.
     cluster = nullcontext() if plan.reused_everything else ray_address_in_env(settings, log=logger.info)
@@ -83,21 +119,42 @@ def full_rlhf(config: PipelineConfig) -> PipelineResult:
                     f"artifacts {root}/{config.name}; workspaces {settings.workspace_root}")
         run = stage_task(settings)
         results: dict[str, StageResult] = {}
-        production = None
-        for stage in config.stages:
-            if stage == "evaluate":
-                candidate = results[policy_stage(config.shape)]
-                production = production_policy.with_options(**persisted)(candidate, artifact_root=root)
-            inputs = stage_inputs(config, stage, results, production)
-            results[stage] = run(stage, config.section(stage), inputs, pipeline=config.name, artifact_root=root)
-        policy = results[policy_stage(config.shape)]
-        decision = promote.with_options(**persisted)(policy, results["evaluate"], config.gate, artifact_root=root,
-                                                      production=production)
-        evaluation_report = publish_report.with_options(**persisted)(results["evaluate"], policy, artifact_root=root)
+        for stage in config.stages[:-1]:  # every shape ends with the evaluation
+            results[stage] = run(stage, config.section(stage), stage_inputs(config, stage, results),
+                                 pipeline=config.name, artifact_root=root)
+        decision, report = evaluate_and_promote(config, results, run, options, root)
 
     unchanged = all(result.reused for result in results.values())
     if unchanged:
         logger.info("nothing changed (config, data, code): every stage reused its committed artifact, "
                     "no Ray job was submitted")
     return PipelineResult(artifact_root=root, shape=config.shape, stages=results, promotion=decision,
-                          report=evaluation_report, unchanged=unchanged)
+                          report=report, unchanged=unchanged)
+
+
+def evaluate_and_promote(config: PipelineConfig, results: dict[str, StageResult], run, options: dict, root: str,
+                         ) -> tuple[PromotionDecision, ReportResult]:  # fmt: skip
+    """Evaluate the candidate against the production policy, report, decide, ask for approval when the gate says
+    so, and promote; again against the new production while other runs move it (at most MAX_PROMOTION_ROUNDS).
+    Adds the evaluation to `results`."""
+    logger = get_run_logger()
+    policy = results[policy_stage(config.shape)]
+    moved_to = None
+    for _ in range(MAX_PROMOTION_ROUNDS):
+        production = production_policy.with_options(**options)(policy, artifact_root=root, moved_to=moved_to)
+        results["evaluate"] = run("evaluate", config.section("evaluate"),
+                                  stage_inputs(config, "evaluate", results, production), pipeline=config.name,
+                                  artifact_root=root)  # fmt: skip
+        report = publish_report.with_options(**options)(results["evaluate"], policy, artifact_root=root)
+        decision = judge.with_options(**options)(policy, results["evaluate"], config.gate, artifact_root=root,
+                                                 production=production)
+        if decision.moves_production and config.gate.require_approval:
+            decision = await_approval(decision, report, config.gate)
+        decision = promote.with_options(**options)(decision, results["evaluate"], pipeline=config.name,
+                                                   artifact_root=root)
+        if decision.production_moved_to is None:
+            return decision, report
+        moved_to = decision.production_moved_to
+        logger.warning(f"production moved to {policy.stage} v{moved_to} during this run: evaluating "
+                       f"{policy.stage} v{policy.version} against it")
+    return decision.rejected(f"production moved {MAX_PROMOTION_ROUNDS} times during this run"), report

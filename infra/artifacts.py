@@ -3,19 +3,29 @@
 Layout under ``<root>/<pipeline>/<stage>/``::
 
     v0001/...             payload files, then MANIFEST.json written last: a version exists iff its manifest does
-    aliases/<name>.json   pointer files {"alias": name, "version": n}, replaced atomically
+    aliases/<name>/000001.json  the moves of an alias, each created exclusively; the newest is where it points
     _claims/v0001.json    version claims, created exclusively; never overwritten, never deleted
     _staging/<token>/     uploads in flight; moved into the claimed version directory
 
 A commit uploads into a private staging prefix, claims the next free version number by exclusive create,
 moves the staged files into that version directory and writes MANIFEST.json last. Every operation goes
-through the same fsspec calls for both backends; only the storage options differ.
+through the same fsspec calls for both backends; only the storage options differ. A commit refuses symlinks and
+non-finite metrics (JSON has no NaN: the manifest could not be read back).
+
+Reading is checked: a manifest whose pipeline, stage or version differ from the folder it was read from, whose
+files table does not match its digest, or whose file names are absolute, contain `..` or backslashes is refused;
+its `uri` is where it was read (a store copied to another bucket never loads from the old one). `verify` re-hashes
+every file and refuses files the manifest does not list and symlinks. Listings skip unreadable manifests and say so.
+
+An alias moves by compare-and-swap: `set_alias(..., expected=v)` creates the next move record exclusively only
+while the alias still points at `v`; a concurrent move makes it fail with AliasMoved, naming where it points now.
 
 Transient failures (endpoint unreachable, connection reset, timeouts) are retried with exponential backoff for
 up to `retry_for_s`; each step is safe to repeat, so an outage in the middle of a commit delays it and leaves no
 partial version. What a killed writer leaves behind (a `_staging/` entry, a claimed version directory without a
 manifest) is invisible to readers and removed once older than `staging_grace_s`, by the next commit of that
-stage or by `python -m infra.artifacts gc <root>`.
+stage or by `python -m infra.artifacts gc <root>`; each leftover is looked at again just before it is removed, and
+no grace below `min_staging_grace_s` is accepted (a live upload must never be taken for a leftover).
 
     python -m infra.artifacts list <root> <pipeline>
     python -m infra.artifacts verify <root> <pipeline> [--stage STAGE]
@@ -26,21 +36,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hashlib
 import json
+import math
 import os
 import re
 import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MANIFEST_NAME = "MANIFEST.json"
@@ -52,6 +64,8 @@ _HASH_BLOCK = 8 * 2**20
 _MAX_CLAIM_ATTEMPTS = 1000
 STAGING = "_staging"
 _MAX_BACKOFF_S = 30.0
+ALIASES = "aliases"
+ANY = object()  # set_alias without a compare-and-swap
 T = TypeVar("T")
 
 
@@ -73,6 +87,19 @@ class StoreSettings(BaseSettings):
         "got a manifest) are removed by the next commit of their stage and by `python -m infra.artifacts gc`; "
         "longer than any upload (RLHF_STAGING_GRACE_S).",
     )
+    min_staging_grace_s: float = Field(
+        3600.0,
+        ge=0,
+        description="The smallest grace period gc and commits accept: a younger leftover may be a live upload "
+        "(RLHF_MIN_STAGING_GRACE_S).",
+    )
+
+    @model_validator(mode="after")
+    def _grace_above_minimum(self) -> StoreSettings:
+        if self.staging_grace_s < self.min_staging_grace_s:
+            raise ValueError(f"RLHF_STAGING_GRACE_S={self.staging_grace_s:g} is below RLHF_MIN_STAGING_GRACE_S="
+                             f"{self.min_staging_grace_s:g}: a live upload could be removed as a leftover")
+        return self
 
 
 class ArtifactError(Exception):
@@ -81,6 +108,18 @@ class ArtifactError(Exception):
 
 class ChecksumError(ArtifactError):
     """A stored or downloaded file does not match its manifest entry; the message names the file."""
+
+
+class AliasMoved(ArtifactError):
+    """A compare-and-swap move of an alias found it pointing elsewhere than expected."""
+
+    def __init__(self, message: str, current: int | None):
+        super().__init__(message)
+        self.current = current
+
+
+class StoreUnreachable(ArtifactError):
+    """The store kept failing transiently for longer than the retry period: another attempt may succeed."""
 
 
 class InputRef(BaseModel):
@@ -121,9 +160,34 @@ class Manifest(BaseModel):
     metrics: dict[str, float | int | str] = {}
     digest: str
 
+    @field_validator("files")
+    @classmethod
+    def _names_inside_the_version(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        for rel in files:
+            check_relative_name(rel)
+        return files
+
+    @field_validator("metrics")
+    @classmethod
+    def _finite_metrics(cls, metrics: dict[str, float | int | str]) -> dict[str, float | int | str]:
+        bad = [name for name, value in metrics.items() if isinstance(value, float) and not math.isfinite(value)]
+        if bad:
+            raise ValueError(f"non-finite metric{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+                             f"({', '.join(str(metrics[name]) for name in bad)}): JSON cannot hold them")
+        return metrics
+
     def input_ref(self) -> InputRef:
         """This artifact as an input of a later commit."""
         return InputRef(uri=self.uri, digest=self.digest)
+
+
+def check_relative_name(rel: str) -> str:
+    """`rel` if it names a file inside a version folder: relative, forward slashes, no `.`/`..` or empty parts."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or any(part in ("", ".", "..") for part in parts) or (
+            len(rel) > 1 and rel[1] == ":"):
+        raise ValueError(f"file name {rel!r} is not a relative path inside the version folder")
+    return rel
 
 
 def _canonical_json(obj: Any) -> bytes:
@@ -169,6 +233,9 @@ def _sha256_stream(stream) -> tuple[int, str]:
 def _hash_source_tree(source: Path) -> dict[str, FileEntry]:
     if not source.is_dir():
         raise ArtifactError(f"cannot commit {source}: not a directory")
+    links = sorted(str(p.relative_to(source)) for p in source.rglob("*") if p.is_symlink())
+    if links:  # a link's target lies outside what the commit is meant to hold
+        raise ArtifactError(f"cannot commit {source}: symlinks are refused ({', '.join(links)})")
     files = {}
     for path in sorted(p for p in source.rglob("*") if p.is_file()):
         rel = path.relative_to(source).as_posix()
@@ -211,26 +278,136 @@ def _check_name(kind: str, name: str) -> str:
     return name
 
 
+def _version_name(version: int | None) -> str:
+    return "nothing" if version is None else f"v{version:04d}"
+
+
+def version_location(uri: str) -> tuple[str, str, str, int]:
+    """(root, pipeline, stage, version) of a version URI ``<root>/<pipeline>/<stage>/vNNNN``."""
+    parts = uri.rstrip("/").rsplit("/", 3)
+    match = _VERSION_REF.match(parts[-1]) if len(parts) == 4 else None
+    if match is None or not parts[-1].startswith("v"):
+        raise ArtifactError(f"{uri} is not a version folder <root>/<pipeline>/<stage>/vNNNN")
+    return parts[0], parts[1], parts[2], int(match.group(1))
+
+
 def _short_ref(uri: str) -> str:
     return "/".join(uri.rstrip("/").split("/")[-2:])
 
 
-def is_transient(error: BaseException) -> bool:
-    """A failure that the same request may not meet again: the endpoint unreachable, a connection cut, a timeout.
+# errnos of outages: s3fs raises OSError(EBUSY) for S3 503/SlowDown and OSError(EREMOTEIO) for 500/InternalError
+TRANSIENT_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.ECONNRESET,
+                              errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EHOSTUNREACH,
+                              errno.ENETUNREACH, errno.ENETDOWN, errno.EPIPE, errno.EAGAIN})
+TRANSIENT_S3_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+                                "OperationAborted", "Throttling", "ThrottlingException"})
+PERMANENT_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)
 
-    Missing or existing files, permissions and validation errors are answers, not outages: never retried.
-    """
-    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                          NotADirectoryError)):  # fmt: skip
-        return False
-    if isinstance(error, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+
+def _http_status(error: BaseException) -> int | None:
+    """The HTTP status an error carries: requests/httpx/huggingface_hub responses, botocore and aiohttp errors."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    status = getattr(response, "status_code", None) or getattr(error, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def _transport_error_types() -> tuple[type, ...]:
+    """Connection-level errors of the HTTP stacks the store, the hub and the datasets use."""
+    import http.client
+
+    types: list[type] = [ConnectionError, TimeoutError, asyncio.TimeoutError, http.client.HTTPException]
+    for module, names in (("aiohttp", ("ClientConnectionError", "ClientPayloadError", "ServerTimeoutError")),
+                          ("botocore.exceptions", ("ConnectionError", "HTTPClientError", "ReadTimeoutError")),
+                          ("httpx", ("TransportError",)), ("httpx2", ("TransportError",)),
+                          ("requests.exceptions", ("ConnectionError", "Timeout")),
+                          ("urllib3.exceptions", ("ProtocolError", "TimeoutError"))):  # fmt: skip
+        try:
+            imported = __import__(module, fromlist=list(names))
+        except ImportError:  # not installed: nothing of theirs can be raised either
+            continue
+        types += [getattr(imported, name) for name in names]
+    return tuple(types)
+
+
+def _unreached(error: BaseException | None) -> bool:
+    """Whether `error`, or one it was raised while handling, says a server was not reached: huggingface_hub's
+    LocalEntryNotFoundError ("cannot find the requested files in the local cache"), which datasets re-raises as
+    a FileNotFoundError."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if type(error).__name__ == "LocalEntryNotFoundError":
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _verdict(error: BaseException) -> bool | None:
+    """True: an outage; False: an answer (missing, forbidden, invalid); None: this error alone does not say."""
+    if isinstance(error, PERMANENT_ERRORS):
+        return _unreached(error)
+    status = _http_status(error)
+    code = getattr(error, "response", None)
+    code = code.get("Error", {}).get("Code") if isinstance(code, dict) else None
+    if code in TRANSIENT_S3_CODES or (status is not None and (status >= 500 or status in (408, 429))):
         return True
-    try:
-        import aiohttp
-        import botocore.exceptions as boto
-    except ImportError:  # no S3 support installed: nothing of theirs can be raised either
+    if status is not None and 400 <= status < 500:
         return False
-    return isinstance(error, (boto.ConnectionError, boto.HTTPClientError, aiohttp.ClientError))
+    if isinstance(error, _transport_error_types()):
+        return True
+    if isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS:
+        return True
+    return None
+
+
+def is_transient(error: BaseException) -> bool:
+    """A failure that the same request may not meet again: the endpoint unreachable, a connection cut, a timeout,
+    a 5xx or throttling answer (also as the OSErrors s3fs makes of them, and wrapped by datasets or fsspec).
+
+    Missing or existing files, permissions, other 4xx answers and validation errors are answers, not outages:
+    never retried. The error's causes are looked at in turn until one of them decides.
+    """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        verdict = _verdict(error)
+        if verdict is not None:
+            return verdict
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def retrying(what: str, operation: Callable[[], T], retry_for_s: float, log: Callable[[str], None],
+             where: str = "") -> T:  # fmt: skip
+    """``operation()``, repeated with exponential backoff while it fails transiently, up to `retry_for_s`; then
+    StoreUnreachable naming `what` (and `where`). Permanent failures are raised at once."""
+    started = time.monotonic()
+    delay = 1.0
+    while True:
+        try:
+            return operation()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            waited = time.monotonic() - started
+            if waited + delay > retry_for_s:
+                raise StoreUnreachable(f"{what}: {where or 'the endpoint'} was unreachable for {waited:.0f}s "
+                                       f"({type(error).__name__}: {error})") from error
+            log(f"{what} failed ({type(error).__name__}: {error}); retrying in {delay:.0f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_BACKOFF_S)
+
+
+def file_exists(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether `path` exists; unlike fsspec's exists/isfile, which answer False for any error, an outage raises
+    (an S3 503 must not read as "no manifest here")."""
+    try:
+        fs.info(path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _modified(info: dict) -> float | None:
@@ -245,11 +422,13 @@ class ArtifactStore:
     """Versioned, immutable artifacts of one pipeline under ``root`` (a path, file:// or s3:// URI).
 
     ``retry_for_s``: how long one operation retries transient failures; ``staging_grace_s``: age after which a
-    commit removes its stage's leftovers of killed writers; ``log``: where retries and clean-ups are reported.
+    commit removes its stage's leftovers of killed writers (at least ``min_grace_s``); ``log``: where retries,
+    clean-ups and unreadable manifests are reported.
     """
 
     def __init__(self, root: str, pipeline: str, storage_options: dict | None = None, *, retry_for_s: float = 600.0,
-                 staging_grace_s: float = 24 * 3600.0, log: Callable[[str], None] | None = None):  # fmt: skip
+                 staging_grace_s: float = 24 * 3600.0, min_grace_s: float = 3600.0,
+                 log: Callable[[str], None] | None = None):  # fmt: skip
         options = storage_options_from_env(root) if storage_options is None else dict(storage_options)
         if (fsspec.core.split_protocol(root)[0] or "file") in ("file", "local"):
             options.setdefault("auto_mkdir", True)  # writes create their parent folders, as on S3
@@ -258,30 +437,21 @@ class ArtifactStore:
         self.pipeline = _check_name("pipeline", pipeline)
         self.base = f"{root_path.rstrip('/')}/{pipeline}"
         self.retry_for_s = retry_for_s
-        self.staging_grace_s = staging_grace_s
+        self.min_grace_s = min_grace_s
+        self.staging_grace_s = self._checked_grace(staging_grace_s)
         self.log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+
+    def _checked_grace(self, grace_s: float) -> float:
+        if grace_s < self.min_grace_s:
+            raise ArtifactError(f"a grace period of {grace_s:g}s is below the minimum of {self.min_grace_s:g}s "
+                                "(RLHF_MIN_STAGING_GRACE_S): a live upload could be removed as a leftover")
+        return grace_s
 
     # ---- retries -----------------------------------------------------------------------------------------
     def _retrying(self, what: str, operation: Callable[[], T]) -> T:
         """``operation()``, repeated with exponential backoff while it fails transiently, up to retry_for_s."""
-        started = time.monotonic()
-        delay = 1.0
-        while True:
-            try:
-                return operation()
-            except Exception as error:
-                if not is_transient(error):
-                    raise
-                waited = time.monotonic() - started
-                if waited + delay > self.retry_for_s:
-                    raise ArtifactError(
-                        f"{what}: the artifact store at {self._uri(self.base)} was unreachable for {waited:.0f}s "
-                        f"({type(error).__name__}: {error})"
-                    ) from error
-                self.log(f"artifact store: {what} failed ({type(error).__name__}: {error}); "
-                         f"retrying in {delay:.0f}s")
-                time.sleep(delay)
-                delay = min(delay * 2, _MAX_BACKOFF_S)
+        return retrying(what, operation, self.retry_for_s, lambda message: self.log(f"artifact store: {message}"),
+                        where=f"the artifact store at {self._uri(self.base)}")
 
     # ---- paths -------------------------------------------------------------------------------------------
     def _stage_path(self, stage: str) -> str:
@@ -358,7 +528,7 @@ class ArtifactStore:
                 self.fs.mv(src, dst)
             except FileNotFoundError:
                 self.fs.invalidate_cache()
-                if not self.fs.exists(dst):
+                if not file_exists(self.fs, dst):
                     raise
 
         self._retrying(f"move of {self._uri(src)}", attempt)
@@ -379,15 +549,10 @@ class ArtifactStore:
         for _ in range(_MAX_CLAIM_ATTEMPTS):
             claim = {"version": version, "host": socket.gethostname(), "pid": os.getpid(),
                      "claimed_at": datetime.now(timezone.utc).isoformat()}
-
-            def create(path: str = f"{claims}/v{version:04d}.json", body: bytes = json.dumps(claim).encode()):
-                with self.fs.open(path, "xb") as f:
-                    f.write(body)
-
             try:
                 # A create whose answer was lost and is retried finds its own claim taken: that number then
                 # stays unused, as if a killed writer had claimed it.
-                self._retrying(f"claim of v{version:04d}", create)
+                self._create_exclusive(f"{claims}/v{version:04d}.json", json.dumps(claim).encode())
                 return version
             except FileExistsError:
                 version += 1
@@ -415,6 +580,15 @@ class ArtifactStore:
         times = [t for info in found.values() if (t := _modified(info)) is not None]
         return max(times, default=None)
 
+    def _is_leftover(self, path: str, cutoff: float) -> bool:
+        """Whether ``path`` (a staging entry or a version folder) is still a leftover: nothing under it changed
+        after ``cutoff``, and a version folder still has no manifest."""
+        self.fs.invalidate_cache()
+        if _VERSION_PATH.search(path) and file_exists(self.fs, f"{path}/{MANIFEST_NAME}"):
+            return False  # its writer finished meanwhile
+        changed = self._newest_change(path)
+        return changed is None or changed <= cutoff
+
     def garbage(self, stage: str, grace_s: float) -> list[str]:
         """Paths of leftovers older than ``grace_s``: ``_staging/`` entries and version folders without a
         manifest (claimed by a writer that died before finishing)."""
@@ -428,19 +602,19 @@ class ArtifactStore:
         committed = set(self.versions(stage))
         candidates += [f"{stage_path}/v{n:04d}" for n in self._numbers_in(f"{stage_path}/v*") if n not in committed]
         cutoff = time.time() - grace_s
-        old = []
-        for path in candidates:
-            changed = self._newest_change(path)
-            if changed is None or changed <= cutoff:
-                old.append(path.rstrip("/"))
-        return old
+        return [path.rstrip("/") for path in candidates if self._is_leftover(path.rstrip("/"), cutoff)]
 
     def collect_garbage(self, stage: str, grace_s: float) -> list[str]:
-        """Remove ``garbage(stage, grace_s)``; returns the URIs removed."""
+        """Remove ``garbage(stage, grace_s)``, each path looked at again just before it goes (its writer may have
+        come back to it since the listing); returns the URIs removed."""
+        grace_s = self._checked_grace(grace_s)
         removed = []
         for path in self._retrying(f"listing of {stage} leftovers", lambda: self.garbage(stage, grace_s)):
-            self._remove(path)
-            removed.append(self._uri(path))
+            still = self._retrying(f"check of {self._uri(path)}",
+                                   lambda: self._is_leftover(path, time.time() - grace_s))  # fmt: skip
+            if still:
+                self._remove(path)
+                removed.append(self._uri(path))
         return removed
 
     def _collect_stage_garbage(self, stage: str, grace_s: float) -> None:
@@ -451,29 +625,47 @@ class ArtifactStore:
         except Exception as error:  # the commit is done; a failed clean-up is retried by the next one
             self.log(f"artifact store: clean-up of {stage} leftovers failed: {error}")
 
-    def set_alias(self, stage: str, alias: str, version: int) -> None:
-        """Point ``alias`` (e.g. "production") at a committed version; the pointer file moves atomically and
-        remembers the version it pointed at before (``previous``), so a promotion can be traced back."""
+    def set_alias(self, stage: str, alias: str, version: int, *, expected: int | None | object = ANY) -> None:
+        """Point ``alias`` (e.g. "production") at a committed version. With ``expected`` (a version, or None for an
+        unset alias) the move is a compare-and-swap: it happens only while the alias points at ``expected``,
+        else AliasMoved says where it points. Each move is a record created exclusively (two movers of the same
+        alias never both succeed) that remembers the version before it (``previous``)."""
         _check_name("alias", alias)
         if _VERSION_REF.match(alias):
             raise ArtifactError(f"invalid alias name {alias!r}: it reads as a version")
         if version not in self.versions(stage):
             target = self._uri(self._version_path(stage, version))
             raise ArtifactError(f"cannot point alias {alias!r} at {target}: not a committed version")
-        stage_path = self._stage_path(stage)
-        current = self.alias_record(stage, alias)
-        if current is None:
-            previous = None
-        else:
-            previous = current["version"] if current["version"] != version else current.get("previous")
-        pointer = {"alias": alias, "version": version, "previous": previous,
-                   "updated_at": datetime.now(timezone.utc).isoformat()}
-        self._write_atomic(stage_path, f"{stage_path}/aliases/{alias}.json", json.dumps(pointer))
+        moves = f"{self._stage_path(stage)}/{ALIASES}/{alias}"
+        while True:
+            current = self.alias_record(stage, alias)
+            pointed = None if current is None else current["version"]
+            if expected is not ANY and pointed != expected:
+                raise AliasMoved(f"alias {alias!r} of {stage} points at {_version_name(pointed)}, not "
+                                 f"{_version_name(expected)} as expected: it was moved meanwhile", pointed)
+            previous = pointed if pointed != version else (current or {}).get("previous")
+            move = (current or {}).get("move", 0) + 1
+            record = {"alias": alias, "version": version, "previous": previous, "move": move,
+                      "updated_at": datetime.now(timezone.utc).isoformat()}
+            try:
+                self._create_exclusive(f"{moves}/{record['move']:06d}.json", json.dumps(record).encode())
+                return
+            except FileExistsError:  # another mover took this move number: look again
+                if expected is not ANY:
+                    now = self.alias_record(stage, alias)
+                    raise AliasMoved(f"alias {alias!r} of {stage} was moved meanwhile (to "
+                                     f"{_version_name(now and now['version'])})", now and now["version"]) from None
 
     def alias_record(self, stage: str, alias: str) -> dict | None:
-        """The pointer file of ``alias`` ({"alias", "version", "previous", "updated_at"}), or None when unset."""
-        path = f"{self._stage_path(stage)}/aliases/{_check_name('alias', alias)}.json"
+        """Where ``alias`` points: its newest move record ({"alias", "version", "previous", "move",
+        "updated_at"}), or the pointer file of stores written before moves were recorded; None when unset."""
+        base = f"{self._stage_path(stage)}/{ALIASES}/{_check_name('alias', alias)}"
         self.fs.invalidate_cache()
+        try:
+            moves = self._retrying(f"listing of {self._uri(base)}", lambda: self.fs.glob(f"{base}/*.json"))
+        except FileNotFoundError:
+            moves = []
+        path = max(moves, key=lambda p: p.rsplit("/", 1)[-1]) if moves else f"{base}.json"
         try:
             raw = self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path))
         except FileNotFoundError:
@@ -482,8 +674,17 @@ class ArtifactStore:
             record = json.loads(raw)
             record["version"] = int(record["version"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{self._uri(path)}: invalid alias pointer ({e})") from e
+            raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
         return record
+
+    def _create_exclusive(self, path: str, body: bytes) -> None:
+        """Create ``path`` only if it does not exist (O_EXCL locally, If-None-Match on S3): FileExistsError else."""
+
+        def create() -> None:
+            with self.fs.open(path, "xb") as f:
+                f.write(body)
+
+        self._retrying(f"create of {self._uri(path)}", create)
 
     # ---- reading -----------------------------------------------------------------------------------------
     def _numbers_in(self, pattern: str) -> list[int]:
@@ -502,16 +703,15 @@ class ArtifactStore:
 
     def aliases(self, stage: str) -> dict[str, int]:
         """Alias name -> version, including the derived ``latest`` unless an explicit one exists."""
-        stage_path = self._stage_path(stage)
+        folder = f"{self._stage_path(stage)}/{ALIASES}"
         self.fs.invalidate_cache()
-        paths = self.fs.glob(f"{stage_path}/aliases/*.json")
-        pointers = self.fs.cat(paths) if paths else {}
-        aliases = {}
-        for path, raw in sorted(pointers.items()):
-            try:
-                aliases[path.rsplit("/", 1)[-1].removesuffix(".json")] = int(json.loads(raw)["version"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ArtifactError(f"{self._uri(path)}: invalid alias pointer ({e})") from e
+        try:
+            entries = self._retrying(f"listing of {self._uri(folder)}", lambda: self.fs.ls(folder, detail=False))
+        except FileNotFoundError:
+            entries = []
+        names = sorted({entry.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json") for entry in entries})
+        aliases = {name: record["version"] for name in names if _NAME.match(name)
+                   and (record := self.alias_record(stage, name)) is not None}
         if LATEST not in aliases and (versions := self.versions(stage)):
             aliases[LATEST] = versions[-1]
         return aliases
@@ -529,27 +729,44 @@ class ArtifactStore:
         return aliases[ref]
 
     def _manifest_at(self, uri: str) -> Manifest:
+        """The manifest of the version folder at ``uri``, checked against where it was read: its pipeline, stage
+        and version must be those of the folder, its files table must match its digest; its ``uri`` is ``uri``."""
+        _, pipeline, stage, version = version_location(uri)
         fs, path = self._fs_for(uri)
         try:
             raw = self._retrying(f"read of {uri}/{MANIFEST_NAME}", lambda: fs.cat_file(f"{path}/{MANIFEST_NAME}"))
         except FileNotFoundError:
             raise ArtifactError(f"{uri} is not a committed version ({MANIFEST_NAME} missing)") from None
         try:
-            return Manifest.model_validate_json(raw)
+            manifest = Manifest.model_validate_json(raw)
         except ValidationError as e:
             raise ArtifactError(f"{uri}/{MANIFEST_NAME}: invalid manifest ({e})") from e
+        claimed = (manifest.pipeline, manifest.stage, manifest.version)
+        if claimed != (pipeline, stage, version):
+            raise ArtifactError(f"{uri}/{MANIFEST_NAME} describes {claimed[0]}/{claimed[1]} v{claimed[2]:04d}, not "
+                                f"the folder it was read from ({pipeline}/{stage} v{version:04d})")
+        _check_digest(manifest)
+        return manifest.model_copy(update={"uri": uri})
 
     def get(self, stage: str, ref: int | str = "latest") -> Manifest:
         """Manifest of a committed version; ``ref`` is 3, "v0003" or an alias name."""
         return self._manifest_at(self._uri(self._version_path(stage, self._resolve(stage, ref))))
 
+    def readable(self, stage: str, newest_first: bool = False) -> Iterator[Manifest]:
+        """The stage's committed manifests; one that cannot be read is reported through ``log`` and skipped, so
+        that one broken version never stops the runs (and listings) that do not need it."""
+        versions = self.versions(stage)
+        for version in reversed(versions) if newest_first else versions:
+            try:
+                yield self.get(stage, version)
+            except StoreUnreachable:
+                raise
+            except ArtifactError as error:
+                self.log(f"artifact store: skipping unreadable {stage} v{version:04d}: {error}")
+
     def find_by_stage_key(self, stage: str, stage_key: str) -> Manifest | None:
         """Newest committed manifest with this stage key (for idempotent re-runs), or None."""
-        for version in reversed(self.versions(stage)):
-            manifest = self.get(stage, version)
-            if manifest.stage_key == stage_key:
-                return manifest
-        return None
+        return next((m for m in self.readable(stage, newest_first=True) if m.stage_key == stage_key), None)
 
     def read_file(self, manifest: Manifest, rel: str) -> bytes:
         """One file of a committed version, checked against its manifest entry."""
@@ -561,28 +778,51 @@ class ArtifactStore:
         return data
 
     def download(self, manifest: Manifest, dest_dir: str | os.PathLike, verify: bool = True) -> Path:
-        """Copy the version's files into ``dest_dir``; with ``verify`` check each against the manifest."""
+        """Copy the version's files into ``dest_dir`` (transient failures retried); with ``verify`` check each
+        against the manifest."""
         if verify:
             _check_digest(manifest)
-        dest = Path(dest_dir)
+        dest = Path(dest_dir).resolve()
         fs, path = self._fs_for(manifest.uri)
         rels = list(manifest.files)
         for rel in rels:
+            if not (dest / rel).resolve().is_relative_to(dest):
+                raise ArtifactError(f"{manifest.uri}: file {rel!r} would be written outside {dest}")
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         try:
-            fs.get([f"{path}/{rel}" for rel in rels], [str(dest / rel) for rel in rels])
+            self._retrying(f"download of {manifest.uri}", lambda: fs.get([f"{path}/{rel}" for rel in rels],
+                                                                       [str(dest / rel) for rel in rels]))
         except FileNotFoundError as e:
-            raise ArtifactError(f"{manifest.uri}: file listed in the manifest is missing ({e})") from e
+            raise ChecksumError(f"{manifest.uri}: file listed in the manifest is missing ({e})") from e
         if verify:
-            for rel, entry in manifest.files.items():
-                with (dest / rel).open("rb") as f:
-                    _check_file(f"{manifest.uri}/{rel} (downloaded to {dest / rel})", entry, *_sha256_stream(f))
+            self.verify_copy(manifest, dest)
         return dest
 
+    def verify_copy(self, manifest: Manifest, local_dir: str | os.PathLike) -> None:
+        """Re-hash a local copy of the version; raises ChecksumError naming the first file that differs."""
+        local = Path(local_dir)
+        for rel, entry in manifest.files.items():
+            try:
+                with (local / rel).open("rb") as f:
+                    _check_file(f"{manifest.uri}/{rel} (copy in {local / rel})", entry, *_sha256_stream(f))
+            except FileNotFoundError:
+                raise ChecksumError(f"{manifest.uri}/{rel}: missing from the copy in {local}") from None
+
     def verify(self, manifest: Manifest) -> None:
-        """Re-hash the stored files; raises ChecksumError naming the first file that differs."""
+        """Re-hash the stored files; raises ChecksumError naming the first file that differs, a file the manifest
+        does not list, or a symlink in the version folder."""
         _check_digest(manifest)
         fs, path = self._fs_for(manifest.uri)
+        fs.invalidate_cache()
+        found = self._retrying(f"listing of {manifest.uri}", lambda: fs.find(path, detail=True, withdirs=True))
+        links = sorted(name for name, info in found.items() if info.get("islink"))
+        if links:
+            raise ChecksumError(f"{manifest.uri}: symlinks in the version folder: "
+                                + ", ".join(name[len(path) + 1:] for name in links))
+        stored = {name[len(path) + 1:] for name, info in found.items() if info.get("type") != "directory"}
+        unlisted = sorted(stored - set(manifest.files) - {MANIFEST_NAME})
+        if unlisted:
+            raise ChecksumError(f"{manifest.uri}: files the manifest does not list: {', '.join(unlisted)}")
         for rel, entry in manifest.files.items():
             try:
                 with fs.open(f"{path}/{rel}", "rb") as f:
@@ -591,18 +831,21 @@ class ArtifactStore:
                 raise ChecksumError(f"{manifest.uri}/{rel}: missing") from None
 
     def lineage(self, stage: str, ref: int | str = "latest") -> list[Manifest]:
-        """This artifact, then its inputs recursively (breadth first, each once); checks input digests."""
+        """This artifact, then its inputs recursively (breadth first, each once); checks input digests. Inputs of
+        this store's root are read from it, wherever the store was when they were recorded."""
         chain = [self.get(stage, ref)]
         seen = {chain[0].uri}
         for manifest in chain:  # grows while iterating
             for name, ref_in in manifest.inputs.items():
-                if ref_in.uri in seen:
+                _, pipeline, input_stage, version = version_location(ref_in.uri)
+                uri = self._uri(f"{self.base.rsplit('/', 1)[0]}/{pipeline}/{input_stage}/v{version:04d}")
+                if uri in seen:
                     continue
-                parent = self._manifest_at(ref_in.uri)
+                parent = self._manifest_at(uri)
                 if parent.digest != ref_in.digest:
                     raise ArtifactError(f"input {name!r} of {manifest.uri} expects digest {ref_in.digest[:12]}, "
                                         f"{ref_in.uri} has {parent.digest[:12]}")
-                seen.add(ref_in.uri)
+                seen.add(uri)
                 chain.append(parent)
         return chain
 
@@ -616,17 +859,21 @@ class ArtifactStore:
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
 
     def listing(self) -> str:
-        """Human table of every committed version: stage, version, aliases, created, digest, inputs."""
+        """Human table of every committed version: stage, version, aliases, created, digest, inputs; a version
+        whose manifest cannot be read says so in place of its fields."""
         rows = [("stage", "version", "aliases", "created", "digest", "inputs")]
         for stage in self.stages():
             by_version: dict[int, list[str]] = {}
             for alias, version in self.aliases(stage).items():
                 by_version.setdefault(version, []).append(alias)
+            readable = {m.version: m for m in self.readable(stage)}
             for version in self.versions(stage):
-                m = self.get(stage, version)
+                aliases = ",".join(sorted(by_version.get(version, []))) or "-"
+                if (m := readable.get(version)) is None:
+                    rows.append((stage, f"v{version:04d}", aliases, "UNREADABLE", "-", "see the message above"))
+                    continue
                 inputs = ", ".join(f"{name}={_short_ref(ref.uri)}" for name, ref in sorted(m.inputs.items()))
-                rows.append((stage, f"v{version:04d}", ",".join(sorted(by_version.get(version, []))) or "-",
-                             m.created_at, m.digest[:12], inputs or "-"))
+                rows.append((stage, f"v{version:04d}", aliases, m.created_at, m.digest[:12], inputs or "-"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
                          for row in rows)
@@ -637,7 +884,28 @@ def open_store(root: str, pipeline: str, log: Callable[[str], None] | None = Non
     periods from the settings (RLHF_ARTIFACT_RETRY_S, RLHF_STAGING_GRACE_S)."""
     settings = StoreSettings()
     return ArtifactStore(root, pipeline, storage_options_from_env(root), retry_for_s=settings.artifact_retry_s,
-                         staging_grace_s=settings.staging_grace_s, log=log)
+                         staging_grace_s=settings.staging_grace_s, min_grace_s=settings.min_staging_grace_s, log=log)
+
+
+def is_version_folder(location: str) -> bool:
+    """Whether a model location (a path, file:// or s3:// URI) is a committed version: its manifest is there."""
+    if fsspec.core.split_protocol(location)[0] not in (None, "file", "local", "s3", "s3a"):
+        return False
+    fs, path = fsspec.core.url_to_fs(location, **storage_options_from_env(location))
+    settings = StoreSettings()
+    return retrying(f"look-up of {location}/{MANIFEST_NAME}",
+                    lambda: file_exists(fs, f"{path.rstrip('/')}/{MANIFEST_NAME}"), settings.artifact_retry_s,
+                    lambda message: print(f"artifact store: {message}", file=sys.stderr))
+
+
+def open_version(location: str, log: Callable[[str], None] | None = None) -> tuple[ArtifactStore, Manifest]:
+    """The store and checked manifest of the committed version at ``location`` (a path, file:// or s3:// URI of
+    ``<root>/<pipeline>/<stage>/vNNNN``)."""
+    if "://" not in location:
+        location = Path(location).expanduser().resolve().as_uri()
+    root, pipeline, stage, version = version_location(location)
+    store = open_store(root, pipeline, log=log)
+    return store, store._manifest_at(store._uri(store._version_path(stage, version)))
 
 
 def pipelines(root: str) -> list[str]:
@@ -666,30 +934,42 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--pipeline", help="only this pipeline (default: all under root)")
     gc.add_argument("--grace-s", type=float, help="only leftovers older than this (default: RLHF_STAGING_GRACE_S)")
     args = parser.parse_args(argv)
-
-    if args.command == "list":
-        print(open_store(args.root, args.pipeline).listing())
-        return 0
-    if args.command == "verify":
-        store = open_store(args.root, args.pipeline)
-        failed = 0
-        for stage in [args.stage] if args.stage else store.stages():
-            for version in store.versions(stage):
-                manifest = store.get(stage, version)
-                try:
-                    store.verify(manifest)
-                    print(f"ok      {manifest.uri} ({len(manifest.files)} files)")
-                except ChecksumError as error:
-                    failed += 1
-                    print(f"FAILED  {error}")
-        return 1 if failed else 0
-    for pipeline in [args.pipeline] if args.pipeline else pipelines(args.root):
-        store = open_store(args.root, pipeline)
-        grace_s = store.staging_grace_s if args.grace_s is None else args.grace_s
-        for stage in store.stages():
-            for uri in store.collect_garbage(stage, grace_s):
-                print(f"removed {uri}")
+    try:
+        if args.command == "list":
+            print(open_store(args.root, args.pipeline).listing())
+            return 0
+        if args.command == "verify":
+            return verify_command(args.root, args.pipeline, args.stage)
+        for pipeline in [args.pipeline] if args.pipeline else pipelines(args.root):
+            store = open_store(args.root, pipeline)
+            grace_s = store.staging_grace_s if args.grace_s is None else args.grace_s
+            for stage in store.stages():
+                for uri in store.collect_garbage(stage, grace_s):
+                    print(f"removed {uri}")
+    except (ArtifactError, ValidationError) as error:  # ValidationError: RLHF_* settings out of range
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
+
+
+def verify_command(root: str, pipeline: str, only_stage: str | None) -> int:
+    """`verify`: one line per version, ok / FAILED (a file differs) / UNREADABLE (its manifest); 1 if any is not ok."""
+    unreadable: list[str] = []
+    store = open_store(root, pipeline, log=unreadable.append)
+    failed = 0
+    for stage in [only_stage] if only_stage else store.stages():
+        for manifest in store.readable(stage):
+            try:
+                store.verify(manifest)
+                print(f"ok      {manifest.uri} ({len(manifest.files)} files)")
+            except ChecksumError as error:
+                failed += 1
+                print(f"FAILED  {error}")
+        for message in unreadable:
+            print(f"UNREADABLE  {message.removeprefix('artifact store: skipping unreadable ')}")
+        failed += len(unreadable)
+        unreadable.clear()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

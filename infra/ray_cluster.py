@@ -14,7 +14,11 @@ The embedded head of a flow run (`ray_jobs_address` without an address) is recor
 `<workspace_root>/ray-head.json` while `ray-head.lock` is held by the flow's process. The flow stops the head
 when it ends. If the flow's process is killed instead, the head and its running job live on; the next flow
 run on that workspace (the retry) takes the lock, finds the record, adopts the head and re-attaches to the job
-rather than starting a second head and running the stage twice.
+rather than starting a second head and running the stage twice. Only temp folders this project creates
+(`/tmp/rlhf-ray-*`, owned by this user) are ever removed, whatever a record says.
+
+Every HTTP call of the job client has a timeout (RLHF_RAY_HTTP_TIMEOUT_S): a cluster that stops answering mid-call
+fails the call instead of hanging the watcher past the stage deadline.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -43,6 +48,8 @@ from infra.settings import Settings, get_settings, is_loopback
 HEAD_RECORD = "ray-head.json"
 ALL_INTERFACES = ("0.0.0.0", "::")
 HEAD_LOCK = "ray-head.lock"
+# Where local heads keep their sockets and logs; /tmp keeps the unix socket paths under Ray's length limit.
+TEMP_PARENT, TEMP_PREFIX = Path("/tmp"), "rlhf-ray-"
 
 
 class RayClusterError(RuntimeError):
@@ -81,6 +88,24 @@ def _jobs_api_ready(address: str) -> bool:
             return response.status == 200
     except OSError:
         return False
+
+
+def is_own_temp_dir(path: str | Path) -> bool:
+    """Whether `path` is a temp folder of a local head of ours: /tmp/rlhf-ray-*, a real folder owned by this
+    user (a record of a head can be edited by anyone who writes the workspace)."""
+    folder = Path(path)
+    if folder.parent != TEMP_PARENT or not folder.name.startswith(TEMP_PREFIX) or ".." in folder.parts:
+        return False
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+
+
+def remove_own_temp_dir(path: str | Path | None) -> None:
+    if path is not None and is_own_temp_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _url_host(host: str) -> str:
@@ -203,8 +228,7 @@ class LocalRayHead:
 
     def start(self) -> str:
         """Start the head and wait until its Jobs API answers; returns the Jobs API address."""
-        # /tmp keeps the unix socket paths under Ray's length limit.
-        self._temp_dir = tempfile.mkdtemp(prefix="rlhf-ray-", dir="/tmp")
+        self._temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_PARENT)
         self._log_path = Path(self._temp_dir) / "ray-start.log"
         dashboard_port, gcs_port = free_port(self.bind_host), free_port(self.bind_host)
         command = self.command(dashboard_port, gcs_port)
@@ -246,9 +270,8 @@ class LocalRayHead:
         self.pid = self._process = None
         if pid is not None:
             _stop_process_group(pid, process, timeout_s)
-        if self._temp_dir is not None:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
-            self._temp_dir = None
+        remove_own_temp_dir(self._temp_dir)
+        self._temp_dir = None
         self.address = None
 
     def __enter__(self) -> LocalRayHead:
@@ -310,7 +333,7 @@ def embedded_head(settings: Settings, log: Callable[[str], None] = print) -> Ite
                     "starting a new one")
                 if record.process_alive():  # hung: stop it; a dead one's pid may belong to someone else now
                     _stop_process_group(record.pid, None, timeout_s=5.0)
-                shutil.rmtree(record.temp_dir, ignore_errors=True)
+                remove_own_temp_dir(record.temp_dir)
         elif record is not None:
             log(f"{record_path} records a head on host {record.host}, not this one; starting a local head")
         if head is None:
@@ -340,14 +363,20 @@ def ray_jobs_address(settings: Settings | None = None, log: Callable[[str], None
 
 
 def job_client(address: str, settings: Settings | None = None):
-    """A JobSubmissionClient for `address`, with the auth mode from settings applied first."""
+    """A JobSubmissionClient for `address`, with the auth mode from settings applied first and a timeout on every
+    HTTP call it makes."""
     settings = settings or get_settings()
     set_auth_mode(settings.ray_auth_mode)
     from ray.job_submission import JobSubmissionClient
 
+    class TimedJobClient(JobSubmissionClient):
+        def _do_request(self, method, endpoint, **kwargs):  # every call of the SDK goes through here
+            kwargs.setdefault("timeout", settings.ray_http_timeout_s)
+            return super()._do_request(method, endpoint, **kwargs)
+
     try:
-        return JobSubmissionClient(address)
-    except ConnectionError as err:
+        return TimedJobClient(address)
+    except (ConnectionError, OSError) as err:
         raise RayClusterError(f"cannot reach the Ray cluster at {address} (Jobs API): {err}") from err
 
 

@@ -1,29 +1,70 @@
-"""Keep secret values out of what the orchestration writes: Prefect logs, state messages, manifests, UI artifacts.
+"""Keep secrets out of what the orchestration and the stages write: Prefect logs, state messages, manifests, UI
+artifacts, job logs, tracker configs.
 
-A variable is secret when its name says so (`*_TOKEN`, `*_SECRET*`, `*_KEY`, `AWS_*`, `RAY_AUTH_TOKEN`). Redaction
-replaces each such variable's value wherever it appears in a text, so a job that prints its credentials (or a
-library that puts them in an error message) leaves `[redacted AWS_SECRET_ACCESS_KEY]` in the Prefect database.
-Values shorter than MIN_SECRET_LENGTH are left alone: `AWS_MAX_ATTEMPTS=3` is no secret, and replacing every
-"3" would make the logs unreadable.
+Two kinds of redaction, both applied by `Redactor.text`:
+- by value: a variable is secret when its name says so (`*_TOKEN`, `*_SECRET*`, `*_KEY`, `*_PASSWORD*`, `AWS_*`,
+  `RAY_AUTH_TOKEN`, `PREFECT_API_AUTH_STRING`, `*DATABASE_URL`, `*_CONNECTION_URL`); each such variable's value is
+  replaced wherever it appears, so a job that prints its credentials leaves `[redacted AWS_SECRET_ACCESS_KEY]`.
+  Values shorter than MIN_SECRET_LENGTH are left alone: `AWS_MAX_ATTEMPTS=3` is no secret, and replacing every "3"
+  would make the logs unreadable.
+- by pattern, for secrets no variable of this process holds (a token inside a config value, a credential only the
+  Ray nodes have): the userinfo of URLs (`https://user:pass@host`), credential query parameters (`?token=...`,
+  `&api_key=...`, S3 presigned signatures) and the common token formats (Hugging Face `hf_...`, AWS access key
+  ids `AKIA...`/`ASIA...`, `sk-...`, GitHub `ghp_...`, Slack `xox.-...`, GitLab `glpat-...`).
+
+A stage process redacts its own output (`redact_streams`) with its own environment: the secrets of the Ray node
+never reach the job log, where the worker's redactor would not know them.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-SECRET_NAME = re.compile(r"^(AWS_.*|RAY_AUTH_TOKEN|.*_TOKEN|.*_SECRET.*|.*_KEY)$")
+SECRET_NAME = re.compile(r"^(AWS_.*|RAY_AUTH_TOKEN|PREFECT_API_AUTH_STRING|.*DATABASE_URL|.*_CONNECTION_URL|.*_TOKEN"
+                         r"|.*_SECRET.*|.*_KEY|.*_PASSWORD.*|.*_PASSWD.*)$")
 MIN_SECRET_LENGTH = 8
+REDACTED = "[redacted]"
+# user:password@ (or a bare token@) between a URL's scheme and its host
+URL_USERINFO = re.compile(r"(?<=://)[^/\s@?#]+@")
+CREDENTIAL_PARAMETER = re.compile(
+    r"(?i)([?&](?:access_token|api[_-]?key|apikey|auth|key|password|passwd|pwd|secret|sig|signature|token"
+    r"|x-amz-credential|x-amz-security-token|x-amz-signature)=)[^&\s#\"']+"
+)
+TOKEN_FORMATS = re.compile(
+    r"\b(?:hf_[A-Za-z0-9]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|github_pat_[A-Za-z0-9_]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
+)
 
 
 def is_secret_name(name: str) -> bool:
     return bool(SECRET_NAME.match(name.upper()))
 
 
+def redact_patterns(text: str) -> str:
+    """`text` with URL credentials, credential query parameters and known token formats replaced."""
+    text = URL_USERINFO.sub(REDACTED + "@", text)
+    text = CREDENTIAL_PARAMETER.sub(lambda m: m.group(1) + REDACTED, text)
+    return TOKEN_FORMATS.sub(REDACTED, text)
+
+
+def url_credentials(url: str) -> list[str]:
+    """What in `url` is a credential (userinfo, credential query parameters, tokens), described for a message."""
+    found = []
+    if URL_USERINFO.search(url):
+        found.append("user:password@ in the URL")
+    found += [f"query parameter {m.group(1)[1:-1]!r}" for m in CREDENTIAL_PARAMETER.finditer(url)]
+    if TOKEN_FORMATS.search(url):
+        found.append("a token in the URL")
+    return found
+
+
 class Redactor:
-    """Replaces the values of the secret variables of an environment (default: this process's) in texts."""
+    """Replaces the values of the secret variables of an environment (default: this process's) and the secret
+    patterns in texts."""
 
     def __init__(self, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
@@ -36,7 +77,7 @@ class Redactor:
         for value, name in self._secrets:
             if value in text:
                 text = text.replace(value, f"[redacted {name}]")
-        return text
+        return redact_patterns(text)
 
     def data(self, value: Any) -> Any:
         """The same structure (dicts, lists, strings, numbers) with secrets replaced in every string."""
@@ -47,3 +88,38 @@ class Redactor:
         if isinstance(value, (list, tuple)):
             return type(value)(self.data(v) for v in value)
         return value
+
+
+class RedactingStream:
+    """A text stream that writes whole lines, redacted, to `target`: a secret split over two writes is still
+    seen whole. Everything else (fileno, encoding, isatty) is the target's."""
+
+    def __init__(self, target, redactor: Redactor):
+        self.target, self.redactor = target, redactor
+        self._pending = ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        if "\n" in self._pending:
+            lines, self._pending = self._pending.rsplit("\n", 1)
+            self.target.write(self.redactor.text(lines + "\n"))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self.target.write(self.redactor.text(self._pending))
+            self._pending = ""
+        self.target.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.target, name)
+
+
+def redact_streams(redactor: Redactor | None = None) -> None:
+    """Redact everything this process prints from here on (its stdout and stderr, and what Ray's log monitor
+    prints there for the process's actors)."""
+    redactor = redactor or Redactor()
+    if not isinstance(sys.stdout, RedactingStream):
+        sys.stdout = RedactingStream(sys.stdout, redactor)
+    if not isinstance(sys.stderr, RedactingStream):
+        sys.stderr = RedactingStream(sys.stderr, redactor)

@@ -59,14 +59,20 @@ class Settings(StoreSettings):
         "127.0.0.1",
         description="Address the local Ray head listens on (GCS, raylet, dashboard, client server, agents; "
         "stage ranks follow it). Loopback by default: anything else exposes the head to the network and is "
-        "an explicit choice, which turns Ray token auth on unless RLHF_RAY_AUTH_MODE says otherwise "
-        "(RLHF_BIND_HOST).",
+        "an explicit choice, which turns Ray token auth on; with RLHF_RAY_AUTH_MODE=disabled it is refused (an "
+        "open Jobs API runs any command it is sent) (RLHF_BIND_HOST).",
     )
     ray_auth_mode: Literal["disabled", "token"] | None = Field(
         None,
         description="RAY_AUTH_MODE for the job client and a local head; unset = `token` when bind_host is "
-        "not a loopback address, else `disabled`. Use `token` with RAY_AUTH_TOKEN for production clusters "
-        "(RLHF_RAY_AUTH_MODE).",
+        "not a loopback address, else `disabled` (refused with a non-loopback bind_host). Use `token` with "
+        "RAY_AUTH_TOKEN for production clusters (RLHF_RAY_AUTH_MODE).",
+    )
+    ray_http_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Seconds one HTTP call to the Ray Jobs API may take (status, logs, submit, stop): a cluster "
+        "that stops answering fails the watch instead of hanging it past the stage deadline "
+        "(RLHF_RAY_HTTP_TIMEOUT_S).",
     )
     ray_num_cpus: int | None = Field(
         None,
@@ -130,13 +136,18 @@ class Settings(StoreSettings):
     )
     result_storage: str | None = Field(
         None,
-        description="Where Prefect persists task results (what makes a retried flow run skip finished "
-        "stages): a path, file:// or s3:// URI, or `block:<type>/<name>` of a saved storage block; "
-        "unset = <workspace_root>/prefect-results. Every worker must be able to read it "
+        description="Where Prefect persists task results, as JSON (what makes a retried flow run skip finished "
+        "stages): a path, file:// or s3:// URI; unset = <PREFECT_HOME>/rlhf-results. Every worker must be able "
+        "to read it and no job may write it: it is refused inside the workspace root, which every job writes "
         "(RLHF_RESULT_STORAGE).",
     )
+    reward_dirs: Annotated[list[Path], NoDecode] = Field(
+        [],
+        description="Comma-separated folders, besides the project, that local reward files (remote_rm_url *.py) "
+        "may be read from: a reward file is code that every node runs (RLHF_REWARD_DIRS).",
+    )
 
-    @field_validator("job_env_passthrough", mode="before")
+    @field_validator("job_env_passthrough", "reward_dirs", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
         if isinstance(value, str):
@@ -159,12 +170,37 @@ class Settings(StoreSettings):
     def _auth_follows_exposure(self) -> Settings:
         if self.ray_auth_mode is None:
             self.ray_auth_mode = "disabled" if is_loopback(self.bind_host) else "token"
+        elif self.ray_auth_mode == "disabled" and not is_loopback(self.bind_host):
+            raise ValueError(f"RLHF_BIND_HOST={self.bind_host} exposes the Ray head to the network and "
+                             "RLHF_RAY_AUTH_MODE=disabled turns its authentication off: anyone who reaches the Jobs "
+                             "API could run commands on it. Use RLHF_RAY_AUTH_MODE=token, or a loopback bind host")
+        return self
+
+    @model_validator(mode="after")
+    def _results_out_of_jobs_reach(self) -> Settings:
+        storage = self.result_storage
+        if storage and "://" not in storage.removeprefix("file://"):
+            path = Path(storage.removeprefix("file://")).expanduser().resolve()
+            if path.is_relative_to(self.workspace_root):
+                raise ValueError(f"RLHF_RESULT_STORAGE={storage} is inside RLHF_WORKSPACE_ROOT={self.workspace_root},"
+                                 " which every stage job writes: a job could plant a result that the next retry "
+                                 "loads. Keep results where only the workers write")
         return self
 
     @field_validator("workspace_root", mode="after")
     @classmethod
     def _absolute_workspace(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @field_validator("reward_dirs", mode="after")
+    @classmethod
+    def _absolute_reward_dirs(cls, dirs: list[Path]) -> list[Path]:
+        return [Path(d).expanduser().resolve() for d in dirs]
+
+    def reward_file_allowed(self, path: str | Path) -> bool:
+        """Whether a local reward file lies (symlinks resolved) under the project or a folder of reward_dirs."""
+        resolved = Path(path).expanduser().resolve()
+        return any(resolved.is_relative_to(folder) for folder in (PROJECT_ROOT, *self.reward_dirs))
 
     @field_validator("artifact_root", mode="after")
     @classmethod

@@ -26,6 +26,7 @@ from stages.config import (
     read_yaml_mapping,
     validation_messages,
 )
+from stages.fields import RunOverride, names_with
 
 # ---------------------------------------------------------------- pipeline shapes
 #
@@ -119,6 +120,14 @@ class PromotionGate(StrictModel):
     )
     max_accuracy_regression: float = Field(
         0.01, ge=0, description="tolerance against production: production_accuracy − accuracy may be at most this",
+    )
+    require_approval: bool = Field(
+        False,
+        description="a candidate that passes is promoted only when a person approves it: the flow run pauses with a "
+        "form in the Prefect UI (the evaluation report linked), or `python -m flows.approval <flow-run-id>`",
+    )
+    approval_timeout_s: float = Field(
+        24 * 3600.0, gt=0, description="seconds a paused run waits for the approval; then the candidate is rejected",
     )
 
 
@@ -215,3 +224,25 @@ def _deep_merge(base: dict, overrides: dict) -> dict:
         else:
             merged[key] = value
     return merged
+
+
+def refused_overrides(deployed: PipelineConfig, requested: PipelineConfig) -> list[str]:
+    """The fields where a deployment run's config differs from the deployment's own and that a run may not change
+    (all but the stage fields declared RunOverride, stages/fields.py), as `stage.field` or `gate.field`."""
+    ours, theirs = deployed.model_dump(mode="json"), requested.model_dump(mode="json")
+    refused = []
+    for key, value in ours.items():
+        if key in STAGE_CONFIGS:
+            allowed = names_with(STAGE_CONFIGS[key], RunOverride)
+            refused += [f"{key}.{field}" for field, default in value.items()
+                        if theirs[key][field] != default and field not in allowed]
+        elif isinstance(value, dict):
+            refused += [f"{key}.{field}" for field, default in value.items() if theirs[key][field] != default]
+        elif theirs[key] != value:
+            refused.append(key)
+    return refused
+
+
+def run_overrides() -> list[str]:
+    """What a deployment run may set otherwise than its deployment: `field` (stages that have it)."""
+    return sorted({field for cls in STAGE_CONFIGS.values() for field in names_with(cls, RunOverride)})

@@ -5,6 +5,11 @@ The evaluation scores the candidate, its reference and the production policy on 
 (`production_pretrain`). An unchanged night finds its candidate already in production: it is judged, as on the
 night it was promoted, against the policy it replaced, so the evaluation of that night is reused instead of run
 again.
+
+Promotion is a compare-and-swap against the production policy the gate compared with: when another run moved
+production meanwhile, the decision says where to (`production_moved_to`) and the flow evaluates again, against the
+new production, before it decides; of two concurrent promotions the better policy stays in production. With
+`require_approval` a person approves or rejects a candidate that passed before it moves (`approval`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ class PromotionDecision(BaseModel):
     production_version: int | None  # the production policy compared with; None when there was none
     reasons: list[str]
     scores: dict[str, dict[str, float | int | str]]  # model (policy, reference, production) -> metric -> value
+    approval: str | None = None  # what the person asked said, or why nobody approved
+    production_moved_to: int | None = None  # set when production moved before the promotion could
+
+    def rejected(self, why: str) -> PromotionDecision:
+        """The same decision, not promoted, for `why` (first among the reasons)."""
+        return self.model_copy(update={"promoted": False, "reasons": [f"FAIL {why}", *self.reasons]})
+
+    @property
+    def moves_production(self) -> bool:
+        """Whether carrying the decision out moves the `production` alias."""
+        return self.promoted and not self.already_production
 
 
 def production_baseline(store: ArtifactStore, policy: StageResult) -> StageResult | None:
@@ -123,8 +139,9 @@ def decision_markdown(decision: PromotionDecision, report_uri: str) -> str:
                else f"production is {decision.stage} v{decision.production_version}")
     metrics = {f"{model}_{name}" if model != "policy" else name: value
                for model, values in decision.scores.items() for name, value in values.items()}
+    approval = f"\n\napproval: {decision.approval}" if decision.approval else ""
     return (f"### {decision.stage} v{decision.version}: {verdict}\n\n"
             f"Candidate {decision.stage} v{decision.version}, its reference, and {against}, on the same held-out "
             f"prompts:\n\n{metrics_table(metrics)}\n\n"
             + "\n".join(f"- `{line}`" for line in decision.reasons)
-            + f"\n\nreport: {report_uri}\n")
+            + f"{approval}\n\nreport: {report_uri}\n")

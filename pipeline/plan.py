@@ -6,13 +6,19 @@
 - each stage's resolved command line (the flags its job runs with);
 - the Ray resources each stage asks for, against what the cluster offers;
 - which stages would be reused: a committed artifact with the same stage key (config, inputs, data content, code);
-- the schema of every dataset, checked on its first PLAN_ROWS rows.
+- the schema of every dataset, checked on its first PLAN_ROWS rows;
+- every hub dataset pinned to the revision the hub names now (`org/name#<sha>` in the plan's config, which the flow
+  runs: the revision fingerprinted is the one the job reads);
+- reward sources: no credentials in endpoint URLs (an Authorization header comes from --remote_rm_auth_env), reward
+  files only from the project or RLHF_REWARD_DIRS (a reward file is code every node runs).
 
 A problem (a dataset that cannot be read or fails its schema, a stage asking more than the cluster has, an artifact
 store that cannot be read) fails the plan with a message naming the stage and field. The flow runs the same checks
 as its first task, against the cluster it is about to use. Run by hand without RLHF_RAY_ADDRESS, the plan compares
 with this machine, the embedded Ray head's, and only notes what would not fit (a GPU preset planned on a laptop).
-A hub dataset is checked when the hub answers; without hub access it is listed as not checked.
+A hub dataset is checked and pinned when the hub answers (look-ups retried); without hub access the plan by hand
+lists it as not checked and gives that stage no key, and the flow's plan fails, to be retried: a revision it cannot
+tell never stands in for one. What the plan shows is redacted (infra/secrets.py).
 """
 
 from __future__ import annotations
@@ -22,23 +28,26 @@ import os
 import shlex
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from pydantic import BaseModel
 
 from infra.artifacts import ArtifactError, open_store
-from infra.settings import Settings
+from infra.secrets import Redactor, redact_patterns, url_credentials
+from infra.settings import PROJECT_ROOT, Settings
 from pipeline.config import PipelineConfig, policy_stage, shape_inputs
 from pipeline.gate import PRODUCTION_ALIAS, production_baseline
 from pipeline.identity import StageResult, stage_code_version, stage_identity, stage_inputs
 from pipeline.prepare import prepare
 from stages.cli import flag_words
 from stages.config import STAGE_CONFIGS, StageConfig
-from stages.errors import DataValidationError
-from stages.fields import Dataset, Launcher, Output, fields_with, names_with
-from stages.fingerprint import dataset_fingerprint
+from stages.errors import DataValidationError, StageInputError
+from stages.fields import Dataset, Launcher, Output, RewardSource, fields_with, names_with
+from stages.fingerprint import HubUnavailable, dataset_fingerprint, pin_hub_revision, unpinned_hub_dataset
 from stages.placement import bundle_resources, group_bundles
 
 PLAN_ROWS = 64  # rows of each dataset whose schema the plan checks
+HUB_UNREACHABLE = "the hub cannot be reached from here (the stage's job reads it on the cluster)"
 # The flags that set how many bundles a stage asks for, for messages when they do not fit.
 RANK_FLAGS = {"rl": "*_num_nodes × *_num_gpus_per_node, vllm_num_engines × vllm_tensor_parallel_size",
               "evaluate": "vllm_num_engines × vllm_tensor_parallel_size, num_gpus_per_node"}
@@ -72,9 +81,10 @@ class StagePlan(BaseModel):
     device: str
     bundles: int  # Ray placement bundles the stage asks for
     bundle: dict[str, float]  # one bundle (on CPU the RL and evaluation roles take a share of a core each)
-    key: str | None  # None while an earlier stage would run: its output decides this key
+    key: str | None  # None while an earlier stage would run (its output decides this key), or a revision is unknown
     reused_version: int | None
     datasets: list[DatasetCheck]
+    unpinned: bool = False  # a hub dataset whose revision could not be told: no key
 
 
 class Plan(BaseModel):
@@ -98,6 +108,8 @@ class Plan(BaseModel):
             asks = " + ".join(f"{value:g} {name}" for name, value in plan.bundle.items())
             if plan.reused_version is not None:
                 reuse = f"reuse v{plan.reused_version} (stage key {plan.key[:16]})"
+            elif plan.key is None and plan.unpinned:
+                reuse = "run (no stage key: a hub revision is unknown here)"
             elif plan.key is None:
                 reuse = "run (an earlier stage runs: new inputs)"
             else:
@@ -114,7 +126,7 @@ class Plan(BaseModel):
         if not self.problems:
             lines.append("every stage would be reused: nothing to run" if self.reused_everything
                          else "plan OK: nothing found that would fail")
-        return "\n".join(lines)
+        return Redactor().text("\n".join(lines))
 
 
 def _short_fingerprint(fingerprint: str) -> str:
@@ -179,16 +191,16 @@ def command_line(stage: str, values: dict, settings: Settings, width: int = 110)
 # ---------------------------------------------------------------------------------------------- data
 
 def _first_rows(source: str, split: str, fingerprint: str):
-    """The first PLAN_ROWS rows of `source`, or a string saying why they cannot be read from here."""
+    """The first PLAN_ROWS rows of `source` (a hub dataset streamed at its pinned revision)."""
     from stages import data
+    from stages.fingerprint import split_revision
 
-    if fingerprint.startswith("hub:") and fingerprint.endswith("@unresolved"):
-        return "not checked: the hub cannot be reached from here (the stage's job reads it on the cluster)"
     if fingerprint.startswith("hub:"):
         import datasets
 
         path, split = data.split_source(source, split)
-        streamed = datasets.load_dataset(path, split=split, streaming=True).take(PLAN_ROWS)
+        name, revision = split_revision(path)
+        streamed = datasets.load_dataset(name, split=split, revision=revision, streaming=True).take(PLAN_ROWS)
         return datasets.Dataset.from_list(list(streamed))
     return data.load_rows(source, split=split, max_samples=PLAN_ROWS)
 
@@ -203,6 +215,10 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
         source = values[field]
         if not source:
             continue
+        if unpinned_hub_dataset(source):  # pin_hub_datasets could not tell its revision and said so
+            checks.append(DatasetCheck(field=field, source=source, fingerprint=f"hub:{source}@unknown",
+                                       schema_check=f"not checked: {HUB_UNREACHABLE}"))
+            continue
         fingerprint = dataset_fingerprint(source)
         if fingerprint == "missing":
             problems.append(f"{stage}.{field}: {source} does not exist")
@@ -210,11 +226,8 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
             continue
         try:
             rows = _first_rows(source, values[role.split], fingerprint)
-            if isinstance(rows, str):
-                result = rows
-            else:
-                validate_rows(cfg, rows, source)
-                result = f"ok ({len(rows)} rows)"
+            validate_rows(cfg, rows, source)
+            result = f"ok ({len(rows)} rows)"
         except DataValidationError as error:
             problems.append(f"{stage}.{field}: {error}")
             result = "FAILED"
@@ -232,6 +245,8 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
     cluster = cluster_resources(ray_address, settings, local_binding=local_binding)
     problems: list[str] = []
     notes: list[str] = []
+    config, unpinned = pin_hub_datasets(config, problems, notes, must_pin=cluster.binding)
+    check_reward_sources(config, settings, problems)
     wiring = shape_inputs(config.shape)
     unused = [s for s in STAGE_CONFIGS if s not in config.stages]
     if unused:
@@ -263,7 +278,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
         _check_fit(stage, device, bundles, bundle, cluster, problems, notes)
         datasets = check_datasets(stage, section, problems)
         key = reused = None
-        if store is not None and all(result is not None for result in upstream.values()):
+        if store is not None and stage not in unpinned and all(result is not None for result in upstream.values()):
             key = stage_identity(config.name, stage, section, upstream, stage_code_version(settings, stage)).key
             existing = store.find_by_stage_key(stage, key)
             if existing is not None:
@@ -271,8 +286,55 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
                 results[stage] = StageResult.from_manifest(existing, reused=True)
         results.setdefault(stage, None)
         plans.append(StagePlan(stage=stage, inputs=inputs, command=command_line(stage, shown, settings), device=device,
-                               bundles=bundles, bundle=bundle, key=key, reused_version=reused, datasets=datasets))
+                               bundles=bundles, bundle=bundle, key=key, reused_version=reused, datasets=datasets,
+                               unpinned=stage in unpinned))
     return Plan(config=config, cluster=cluster, stages=plans, problems=problems, notes=notes)
+
+
+def pin_hub_datasets(config: PipelineConfig, problems: list[str], notes: list[str], *, must_pin: bool,
+                     ) -> tuple[PipelineConfig, set[str]]:  # fmt: skip
+    """`config` with every hub dataset of its stages pinned to its current revision, and the stages left with one
+    it could not pin: a problem where the run is about to start (`must_pin`), a note for a plan made by hand."""
+    unpinned: set[str] = set()
+    sections = {}
+    for stage in config.stages:
+        section = config.section(stage)
+        values = {}
+        for field in fields_with(type(section), Dataset):
+            source = getattr(section, field)
+            if not source:
+                continue
+            try:
+                values[field] = pin_hub_revision(source)
+            except HubUnavailable as error:
+                unpinned.add(stage)
+                (problems if must_pin else notes).append(
+                    f"{stage}.{field}: {error}" + ("; retry when the hub answers" if must_pin else
+                                                   "; not pinned here, the flow's plan pins it"))
+            except StageInputError as error:
+                problems.append(f"{stage}.{field}: {error}")
+        sections[stage] = section.model_copy(update=values)
+    return config.model_copy(update=sections), unpinned
+
+
+def check_reward_sources(config: PipelineConfig, settings: Settings, problems: list[str]) -> None:
+    """Endpoints without credentials in their URLs; reward files from the project or RLHF_REWARD_DIRS only."""
+    for stage in config.stages:
+        section = config.section(stage)
+        for field in fields_with(type(section), RewardSource):
+            spec = getattr(section, field)
+            if not spec:
+                continue
+            urls = [part.strip() for part in spec.split(",") if part.strip().startswith(("http://", "https://"))]
+            for url in urls:
+                if found := url_credentials(url):
+                    problems.append(f"{stage}.{field}: {redact_patterns(url)}: credentials in the URL are refused "
+                                    f"({', '.join(found)}); name a variable holding the Authorization header with "
+                                    f"{stage}.remote_rm_auth_env")
+            path = Path(spec) if Path(spec).is_file() else PROJECT_ROOT / spec  # as the stage resolves it
+            if not urls and spec.endswith(".py") and not settings.reward_file_allowed(path):
+                problems.append(f"{stage}.{field}: {spec} is outside the project and RLHF_REWARD_DIRS: a reward file "
+                                "is code that every node runs; put it there, or add its folder to RLHF_REWARD_DIRS")
 
 
 def _production(store, config: PipelineConfig, results: dict) -> StageResult | None:

@@ -16,7 +16,8 @@ values). The swaps, each with its reason (what a GPU cluster has and this machin
 - batch sizes down with their ratios kept: gradient accumulation steps (train / (micro x ranks)) and optimizer
   steps per rollout (rollout samples / train batch);
 - steps capped: one epoch and data for REHEARSAL_STEPS optimizer steps per training stage (RL: rollouts), the
-  evaluation on EVAL_PROMPTS prompts;
+  evaluation on EVAL_PROMPTS prompts; `save_steps` scaled with them (the preset's interval as the same fraction of
+  its steps, at least one step, before the last), so that a rehearsal checkpoints and can resume as the preset does;
 - the pipeline's artifact root -> a rehearsal folder, so that a rehearsal never writes into the preset's store.
 Everything else (shape, gate, ZeRO stage, bf16, gradient checkpointing, colocation, sleep flags, estimator, KL,
 packing, learning rates, reward functions, the weight-sync backend ...) is kept, so a preset that cannot run fails
@@ -148,6 +149,25 @@ def _rl_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
     return [(k, v, why) for k, (v, why) in new.items() if values[k] != v]
 
 
+def preset_steps(stage: str, values: dict) -> int:
+    """The optimizer steps (RL: rollouts) a stage of the preset runs, from its max_samples and batch sizes."""
+    if stage == "rl":
+        return max(1, values["max_samples"] // values["rollout_batch_size"] * values["num_episodes"])
+    return max(1, -(-values["max_samples"] // values["train_batch_size"]) * values["max_epochs"])
+
+
+def _checkpoint_swaps(stage: str, values: dict) -> list[tuple[str, Any, str]]:
+    """save_steps at the same fraction of the rehearsal's REHEARSAL_STEPS as of the preset's steps, at least 1
+    and before the last step (a preset that only saves at the end, -1, keeps that)."""
+    every = values.get("save_steps", -1)
+    if every <= 0:
+        return []
+    steps = preset_steps(stage, values)
+    scaled = max(1, min(REHEARSAL_STEPS - 1, round(every * REHEARSAL_STEPS / steps)))
+    why = f"a checkpoint every {every} of the preset's ~{steps} steps, at that rate of {REHEARSAL_STEPS}"
+    return [] if scaled == every else [("save_steps", scaled, why)]
+
+
 def _evaluate_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
     new = {"max_samples": (EVAL_PROMPTS, f"{EVAL_PROMPTS} held-out prompts"),
            "micro_rollout_batch_size": (min(values["micro_rollout_batch_size"], 4), "memory of a CPU rank")}
@@ -218,8 +238,9 @@ def rehearse_stage(stage: str, values: dict, stand_ins: StandIns, wired: set[str
                    ) -> tuple[dict, list[Swap]]:  # fmt: skip
     """A stage's config values for a CPU rehearsal, and the swaps made. `wired`: fields an earlier stage of the
     pipeline feeds (not swapped)."""
-    changes = (_device_swaps(values) + _rank_swaps(values) + _length_swaps(values) + BATCH_RULES[stage](values)
-               + _model_swaps(stage, values, stand_ins, wired) + _data_swaps(stage, values, stand_ins))
+    changes = (_device_swaps(values) + _rank_swaps(values) + _length_swaps(values) + _checkpoint_swaps(stage, values)
+               + BATCH_RULES[stage](values) + _model_swaps(stage, values, stand_ins, wired)
+               + _data_swaps(stage, values, stand_ins))
     swaps = [Swap(stage, field, values.get(field), after, why) for field, after, why in changes]
     return {**values, **{swap.field: swap.after for swap in swaps}}, swaps
 

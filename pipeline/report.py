@@ -1,12 +1,16 @@
-"""An evaluation report as data and markdown: the evaluation's metrics by model (policy, reference, production) and
-the policy's learning curve as a PNG.
+"""An evaluation report as data and markdown: the evaluation's metrics by model (policy, reference, production), a
+sample of held-out prompts with each model's answer and reward, and the policy's learning curve as a PNG.
 
 The evaluation stage writes `<name>` metrics for the policy, `reference_<name>` for its reference and, when the
-production model is scored too, `production_<name>`: one table row per name, one column per model.
+production model is scored too, `production_<name>`: one table row per name, one column per model. Its
+samples.jsonl holds the first prompts with every model's greedy answer: one table row per prompt, so that a person
+sees what would be promoted beside what it replaces. The curve is an image in the markdown: a link relative to
+report.md in the stored copy, the PNG itself (a data URI) in the Prefect UI, where no link into the store opens.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 
@@ -25,6 +29,7 @@ class ReportResult(BaseModel):
     version: int
     curve_uri: str | None
     markdown: str
+    artifact_id: str | None = None  # the Prefect markdown artifact showing it
 
 
 def metrics_by_model(metrics: dict) -> dict[str, dict[str, float | int | str]]:
@@ -92,9 +97,50 @@ def learning_curve_png(history: list[dict], title: str) -> bytes | None:
     return buffer.getvalue()
 
 
-def report_markdown(report: StageResult, policy: StageResult, curve_link: str | None) -> str:
-    curve = (f"Learning curve of {policy.stage} v{policy.version} (PNG in the artifact store): [{CURVE_FILE}]({curve_link})"
-             if curve_link else f"{policy.stage} v{policy.version} has no history.json: no learning curve.")
+def png_data_uri(png: bytes) -> str:
+    """The PNG as a `data:` URI, for an image that shows wherever the markdown is rendered."""
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def _escaped(text: object, limit: int = 200) -> str:
+    """A table cell: pipes and markup escaped, line breaks shown as ⏎, long texts cut (answers are model output)."""
+    flat = (str(text).replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace("\r", "")
+            .replace("\n", " ⏎ "))
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _answer(sample: dict | None) -> str:
+    if sample is None:
+        return "–"
+    scores = [f"reward {_cell(sample['reward'])}" if "reward" in sample else "",
+              f"RM {_cell(sample['reward_model_score'])}" if "reward_model_score" in sample else ""]
+    scored = ", ".join(score for score in scores if score)
+    return f"{_escaped(sample['response'])}" + (f" **({scored})**" if scored else "")
+
+
+def samples_table(samples: list[dict]) -> str:
+    """Markdown table: a row per held-out prompt, its label, and each model's answer with its reward."""
+    by_prompt: dict[str, dict] = {}
+    for sample in samples:
+        row = by_prompt.setdefault(sample["prompt"], {"label": sample.get("label")})
+        row[sample["model"]] = sample
+    models = [model for model in MODELS if any(model in row for row in by_prompt.values())]
+    names = {"policy": "candidate"}
+    lines = ["| prompt | label | " + " | ".join(names.get(m, m) for m in models) + " |",
+             "|---|---|" + "---|" * len(models)]
+    for prompt, row in by_prompt.items():
+        lines.append(f"| {_escaped(prompt)} | {_escaped(row['label'] or '–')} | "
+                     + " | ".join(_answer(row.get(model)) for model in models) + " |")
+    return "\n".join(lines)
+
+
+def report_markdown(report: StageResult, policy: StageResult, curve_src: str | None, samples: list[dict]) -> str:
+    """The report: metrics by model, held-out answers by model, the learning curve (an image at `curve_src`)."""
+    curve = (f"Learning curve of {policy.stage} v{policy.version}:\n\n![learning curve of {policy.stage} "
+             f"v{policy.version}]({curve_src})" if curve_src
+             else f"{policy.stage} v{policy.version} has no history.json: no learning curve.")
+    answers = (f"Held-out prompts, answered greedily by each model:\n\n{samples_table(samples)}" if samples
+               else "The evaluation kept no sample answers.")
     return (f"### Evaluation of {policy.stage} v{policy.version}\n\n"
-            f"{metrics_table(report.metrics)}\n\n{curve}\n\n"
+            f"{metrics_table(report.metrics)}\n\n{answers}\n\n{curve}\n\n"
             f"evaluation: {report.uri}  \npolicy: {policy.uri}\n")

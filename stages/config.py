@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stages.estimators import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
-from stages.fields import LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, Dataset, GpuOnly, ModelPath
+from stages.fields import LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, Dataset, GpuOnly, ModelPath
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -88,7 +88,9 @@ class StageConfig(StrictModel):
     required_inputs: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     device: Device = Field("auto", description="where ranks run: cuda, cpu, or auto (cuda when the cluster has GPUs)")
-    seed: int = Field(42, description="random seed for initialisation, data order and sampling")
+    seed: Annotated[int, RUN_OVERRIDE] = Field(
+        42, description="random seed for initialisation, data order and sampling",
+    )
     save_path: OutputPath = Field(
         "./ckpt", description="output directory: HF model (safetensors + tokenizer) or report, and metrics.json",
     )
@@ -101,14 +103,15 @@ class StageConfig(StrictModel):
     input_template: str | None = Field(
         None, description="template with {} for the prompt text, used without --apply_chat_template",
     )
-    max_samples: int = _max_samples(1_000_000)
+    max_samples: Annotated[int, RUN_OVERRIDE] = _max_samples(1_000_000)
     use_tensorboard: Annotated[str | None, NOT_TRAINING] = Field(
         None, description="write metrics as TensorBoard events under this directory (one subdirectory per stage)",
     )
     use_wandb: Annotated[bool, NOT_TRAINING] = Field(
         False,
         description="log metrics to Weights & Biases: online with WANDB_API_KEY in the environment, otherwise "
-        "offline run files (under $WANDB_DIR/wandb or <save_path>/wandb) to upload later with `wandb sync`",
+        "offline run files (under $WANDB_DIR/wandb or <save_path>.wandb/wandb, beside the output, never in it) to "
+        "upload later with `wandb sync`",
     )
     wandb_project: Annotated[str, NOT_TRAINING] = Field("rlhf-flow", description="W&B project of --use_wandb runs")
     wandb_run_name: Annotated[str | None, NOT_TRAINING] = Field(
@@ -148,13 +151,13 @@ class TrainingConfig(StageConfig):
     """Runtime fields of every training stage: checkpoints, DeepSpeed, optimizer, batches."""
 
     ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints")
-    save_steps: Annotated[int, NOT_TRAINING] = Field(
+    save_steps: Annotated[int, NOT_TRAINING, RUN_OVERRIDE] = Field(
         -1, ge=-1, description="optimizer steps between checkpoints; -1 = only the final output",
     )
-    logging_steps: Annotated[int, NOT_TRAINING] = Field(
+    logging_steps: Annotated[int, NOT_TRAINING, RUN_OVERRIDE] = Field(
         1, ge=1, description="optimizer steps between metric log lines",
     )
-    eval_steps: Annotated[int, NOT_TRAINING] = Field(
+    eval_steps: Annotated[int, NOT_TRAINING, RUN_OVERRIDE] = Field(
         -1, ge=-1, description="optimizer steps between evaluations; -1 = only the final evaluation",
     )
     max_ckpt_num: Annotated[int, NOT_TRAINING] = Field(
@@ -182,7 +185,7 @@ class TrainingConfig(StageConfig):
     max_norm: float = Field(1.0, gt=0, description="gradient clipping: maximum global gradient norm")
     train_batch_size: int = Field(128, ge=1, description="samples per optimizer step, over all data-parallel ranks")
     micro_train_batch_size: int = _micro_train_batch_size(8)
-    max_epochs: int = _max_epochs(1)
+    max_epochs: Annotated[int, RUN_OVERRIDE] = _max_epochs(1)
     max_len: int | None = _max_len(2048)
     eval_dataset: Annotated[str | None, Dataset(split="eval_split", held_out=True), NOT_TRAINING] = Field(
         None, description="held-out dataset: hub name, local json/jsonl/parquet or s3:// URI",
@@ -302,6 +305,12 @@ class PromptConfig(StageConfig):
     remote_rm_timeout: float = Field(
         180.0, gt=0, description="seconds an HTTP reward request may take before it counts as failed and is retried",
     )
+    remote_rm_auth_env: str | None = Field(
+        None,
+        description="name of an environment variable of the Ray nodes (named as a secret: *_TOKEN, *_KEY, ...) whose "
+        "value is sent as the Authorization header to the HTTP reward endpoints, e.g. REWARD_API_TOKEN holding "
+        "'Bearer <token>'; credentials in --remote_rm_url itself are refused",
+    )
     reward_pretrain: ScorerPath = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
     normalize_reward: bool = Field(
         False,
@@ -311,8 +320,9 @@ class PromptConfig(StageConfig):
     micro_rollout_batch_size: int = Field(
         8, ge=1, description="samples per forward pass on one rank when scoring rollouts (log-probs, values, rewards)",
     )
-    rollout_backend: RolloutBackend = Field(
-        "auto", description="generation engine: vllm, hf (transformers generate), or auto (vllm when installed)",
+    rollout_backend: Annotated[RolloutBackend, RUN_OVERRIDE] = Field(
+        "auto", description="generation engine: vllm, hf (transformers generate), or auto (vllm when installed); a run "
+        "may choose it (how answers are computed, not what is trained on)",
     )
     vllm_num_engines: int = Field(1, ge=1, description="rollout engines (vLLM, or HF generate with the hf backend)")
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="GPUs per vLLM engine (tensor parallelism)")
@@ -349,7 +359,7 @@ class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
     pretrain: BaseModelPath = Field(None, description="model to fine-tune (HF dir, hub name or s3:// URI)")
     ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_sft")
     learning_rate: float = _learning_rate(5e-6)
-    max_epochs: int = _max_epochs(2)
+    max_epochs: Annotated[int, RUN_OVERRIDE] = _max_epochs(2)
     system_key: str | None = Field(
         None,
         description="dataset column holding a system prompt (OpenOrca's system_prompt), rendered as a system message "
@@ -461,7 +471,7 @@ class RLConfig(TrainingConfig, PromptConfig):
         description="prompt + response token budget: each response stops at max_len - prompt length (and at "
         "--generate_max_len); unset: --prompt_max_len + --generate_max_len",
     )
-    max_samples: int = _max_samples(100_000_000)
+    max_samples: Annotated[int, RUN_OVERRIDE] = _max_samples(100_000_000)
     micro_train_batch_size: int = _micro_train_batch_size(4)
 
     actor_num_nodes: int = Field(1, ge=1, description="nodes for the actor")
@@ -495,7 +505,7 @@ class RLConfig(TrainingConfig, PromptConfig):
         "a time), never the whole model at once",
     )
 
-    num_episodes: int = Field(1, ge=1, description="passes over the prompt dataset")
+    num_episodes: Annotated[int, RUN_OVERRIDE] = Field(1, ge=1, description="passes over the prompt dataset")
     rollout_batch_size: int = Field(
         1024, ge=1, description="prompts per rollout (each sampled --n_samples_per_prompt times)",
     )
@@ -775,16 +785,6 @@ STAGE_CONFIGS: dict[str, type[StageConfig]] = {
 OFFLINE_STAGES = tuple(stage for stage, cls in STAGE_CONFIGS.items() if issubclass(cls, OfflineTrainingConfig))
 
 
-STAGE_CONFIGS: dict[str, type[StageConfig]] = {
-    "sft": SFTConfig,
-    "reward_model": RewardModelConfig,
-    "dpo": DPOConfig,
-    "kto": KTOConfig,
-    "rl": RLConfig,
-    "evaluate": EvaluateConfig,
-}
-# The stages that train on a fixed dataset, as opposed to RL and the evaluation, which read prompts.
-OFFLINE_STAGES = tuple(stage for stage, cls in STAGE_CONFIGS.items() if issubclass(cls, OfflineTrainingConfig))
 
 
 # ---------------------------------------------------------------- presets

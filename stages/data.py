@@ -1,6 +1,9 @@
 """Datasets for every stage: loading, pandera validation, prompt formatting and tokenised examples.
 
-Loading goes through `datasets` (hub names, local .json/.jsonl/.parquet files or directories, file://, s3://).
+Loading goes through `datasets` (hub names, local .json/.jsonl/.parquet files or directories, file://, s3://); a
+hub name pinned to a revision (`org/name#<sha>`, as the plan pins them) reads that revision. An outage (hub 5xx,
+S3 timeouts or 503s, a cut connection) is retried for RLHF_ARTIFACT_RETRY_S and then fails the stage with exit 1,
+which the orchestration retries; data that cannot be read for any other reason is a data error (exit 2).
 Validation runs before any training and reports every failure at once, naming file, flag, check and rows (or the
 whole column); it never ends in a traceback, whatever the data (bytes that are not UTF-8 included).
 
@@ -35,8 +38,9 @@ from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.download import DownloadConfig
 from pandera.errors import SchemaErrors
 
-from infra.artifacts import storage_options_from_env
-from stages.errors import DataValidationError
+from infra.artifacts import StoreSettings, StoreUnreachable, retrying, storage_options_from_env
+from stages.errors import DataValidationError, SourceUnavailable
+from stages.fingerprint import split_revision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,18 +74,24 @@ def load_rows(
     source = os.fspath(source)
     path, split = split_source(source, split)
     path = path.removeprefix("file://")
-    try:
+
+    def read() -> datasets.Dataset:
         if path.startswith("s3://"):
-            rows = _load_files(path, split)
-        elif _is_local_path(path):
-            path = str(Path(path).expanduser())
-            if not Path(path).exists():
+            return _load_files(path, split)
+        if _is_local_path(path):
+            local = str(Path(path).expanduser())
+            if not Path(local).exists():
                 raise DataValidationError(f"{source}: no such file or directory")
-            rows = _load_files(path, split)
-        else:
-            rows = datasets.load_dataset(path, split=split)
+            return _load_files(local, split)
+        name, revision = split_revision(path)
+        return datasets.load_dataset(name, split=split, revision=revision)
+
+    try:
+        rows = retrying(f"reading {source}", read, StoreSettings().artifact_retry_s, logger.warning)
     except DataValidationError:
         raise
+    except StoreUnreachable as exc:
+        raise SourceUnavailable(f"{source}: cannot read split {split!r}: {exc}") from exc
     except Exception as exc:  # datasets, fsspec and arrow raise many types; all mean "cannot read this"
         raise DataValidationError(f"{source}: cannot read split {split!r}: {type(exc).__name__}: {exc}") from exc
     if max_samples is not None:

@@ -27,12 +27,21 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, ints and strings only: what `torch.load(weights_only=True)` reads, so
+    that loading a checkpoint never unpickles objects (a planted file could run code)."""
+    version, mt_state, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
+    return {"python": {"version": version, "state": torch.tensor(mt_state, dtype=torch.int64), "gauss": gauss},
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                      "has_gauss": int(has_gauss), "cached_gauss": float(cached_gauss)},
+            "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy_state = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                         numpy_state["has_gauss"], numpy_state["cached_gauss"]))
     torch.set_rng_state(state["torch"])
 
 
@@ -152,14 +161,23 @@ def latest_checkpoint_step(ckpt_dir: str | os.PathLike) -> int:
 def training_fingerprint(stage: str, cfg) -> dict[str, Any]:
     """What a run trains: its stage, every config field that changes training (not outputs, logging, evaluation,
     checkpoint cadence or the resume switch: stages/fields.py), and the contents of the datasets it trains on."""
-    from stages.fingerprint import dataset_fingerprint
-
     values = cfg.model_dump(mode="json")
     ignored = names_with(type(cfg), NotTraining, Output, Launcher)
-    data = {field: dataset_fingerprint(values[field]) for field in fields_with(type(cfg), Dataset)
+    data = {field: _content(values[field]) for field in fields_with(type(cfg), Dataset)
             if field not in ignored and values.get(field)}
     config = {key: value for key, value in values.items() if key not in ignored}
     return {"stage": stage, "config": config, "data": data}
+
+
+def _content(source: str) -> str:
+    """A dataset's fingerprint for checkpoint ownership; a hub dataset whose revision cannot be told here (a run by
+    hand offline, from the local hub cache) by its name."""
+    from stages.fingerprint import HubUnavailable, dataset_fingerprint
+
+    try:
+        return dataset_fingerprint(source)
+    except HubUnavailable:
+        return f"hub:{source}@unknown"
 
 
 def _fingerprint_differences(old: dict, new: dict) -> list[str]:
@@ -243,8 +261,20 @@ def load_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, tag: str = "
     """Restore one model's engine and this rank's RNG state from `step`; returns the client state."""
     directory = step_dir(ckpt_dir, step)
     _, client_state = engine.load_checkpoint(str(directory), tag=tag)
-    set_rng_state(torch.load(directory / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False))
+    set_rng_state(load_rng_state(directory / tag / f"rng_rank{dist.get_rank()}.pt"))
     return client_state or {}
+
+
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """A saved RNG state, read with `weights_only=True`: tensors and plain values, never an object to unpickle."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise StageInputError(f"{path}: not an RNG state this project writes (it holds objects torch.load with "
+                              f"weights_only refuses: {str(error).splitlines()[0]}); resume from another "
+                              "--ckpt_path or start fresh") from None
 
 
 def export_hf(engine_or_model, tokenizer, out_dir: str | os.PathLike, extra_config: dict | None = None) -> None:

@@ -8,7 +8,13 @@ tokens of log π − log π_ref (the reference's log-probs are teacher-forced th
 Models of the same architecture are swapped into the running engines instead of starting new ones.
 
 Metrics: `accuracy`, `pass1`, `pass<n>`, `reward_mean`, `response_length`, `truncated_fraction` for the policy,
-the same with a `reference_` / `production_` prefix for the others, and `kl_mean`.
+the same with a `reference_` / `production_` prefix for the others, and `kl_mean`. `samples.jsonl` holds the
+first SAMPLES_SHOWN prompts with each model's greedy answer and its reward (and reward-model score), for the
+report.
+
+Every model is scored on every prompt, or the evaluation fails: when reward requests fail (an endpoint down past
+its retries), the stage stops with exit 1, to be retried, rather than score the models on different subsets of
+the prompts or commit a metric that is not a number.
 
     python -m stages.evaluate --config tiny --pretrain ./policy --ref_pretrain ./sft --reward_pretrain ./rm \
         --remote_rm_url reward.py --prompt_data prompts_eval.jsonl --save_path ./report
@@ -30,13 +36,17 @@ from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
 from stages.launch import note_cpu_limits, stage_main
 from stages.placement import bundle_resources, group_bundles
-from stages.rewards import load_reward_source
+from stages.rewards import reward_source_of
 from stages.roles import RewardModelWorker
 from stages.rollout import Rollout, create_rollout_engines, generate_across
 from stages.sequences import build_sequences, split_rows
 from stages.tracking import StepLog
 
-SAMPLES_SHOWN_PER_MODEL = 4
+SAMPLES_SHOWN = 4  # prompts of samples.jsonl, answered by every model
+
+
+class RewardsUnavailable(RuntimeError):
+    """Reward requests of the evaluation failed after their retries: scores would not be comparable (exit 1)."""
 
 
 def same_architecture(path_a: str, path_b: str) -> bool:
@@ -56,7 +66,7 @@ class Evaluation:
                  bundle: dict[str, float]):
         self.cfg, self.prompts, self.pad_token_id, self.reward_group = cfg, prompts, pad_token_id, reward_group
         self.bundle = bundle  # what each engine (each tensor-parallel rank) takes of the cluster
-        self.reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
+        self.reward_source = reward_source_of(cfg)
         self.engines: list = []
         self.loaded: str | None = None
         self.samples: list[dict] = []
@@ -96,17 +106,17 @@ class Evaluation:
             "response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
             "truncated_fraction": sum(r.finish_reason == "length" for r in greedy) / len(greedy),
         }
+        shown = [{"model": name, "prompt": r.prompt, "label": label, "response": r.response_text}
+                 for r, label in list(zip(greedy, self.labels(1)))[:SAMPLES_SHOWN]]
         if self.reward_source is not None:
-            rewards = self.reward_source([r.prompt + r.response_text for r in greedy], [r.prompt for r in greedy],
-                                         self.labels(1))
-            metrics["accuracy"] = float(rewards.rewards[~rewards.failed].mean())
+            rewards = self.rewards(name, greedy, self.labels(1))
+            metrics["accuracy"] = float(rewards.mean())
+            for sample, reward in zip(shown, rewards.tolist()):
+                sample["reward"] = reward
             k = cfg.eval_n_samples_per_prompt
             if k:
                 sampled = self.generate(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)
-                scores = self.reward_source([r.prompt + r.response_text for r in sampled],
-                                            [r.prompt for r in sampled], self.labels(k))
-                answered = ~scores.failed.view(-1, k).any(dim=1)
-                per_prompt = scores.rewards.view(-1, k)[answered]
+                per_prompt = self.rewards(name, sampled, self.labels(k)).view(-1, k)
                 metrics["pass1"] = float(per_prompt.mean())
                 metrics[f"pass{k}"] = float(per_prompt.max(dim=1).values.mean())
         if self.reward_group is not None:
@@ -114,9 +124,22 @@ class Evaluation:
                                     self.pad_token_id)
             scores = torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
             metrics["reward_mean"] = float(scores.mean())
-        self.samples += [{"model": name, "prompt": r.prompt, "label": label, "response": r.response_text}
-                         for r, label in list(zip(greedy, self.labels(1)))[:SAMPLES_SHOWN_PER_MODEL]]
+            for sample, score in zip(shown, scores.tolist()):
+                sample["reward_model_score"] = score
+        self.samples += shown
         return {f"{prefix}{key}": value for key, value in metrics.items()}
+
+    def rewards(self, model: str, rollouts: list[Rollout], labels: list[str]) -> torch.Tensor:
+        """The reward of every answer; RewardsUnavailable when any request failed after its retries."""
+        batch = self.reward_source([r.prompt + r.response_text for r in rollouts], [r.prompt for r in rollouts],
+                                   labels)
+        failed = int(batch.failed.sum())
+        if failed:
+            raise RewardsUnavailable(
+                f"{self.reward_source.name}: {failed} of {len(rollouts)} reward requests for the {model}'s answers "
+                f"failed after their retries ({'; '.join(batch.errors[-3:])}); not scoring the models on different "
+                "prompts: the stage fails, to be retried")
+        return batch.rewards
 
     def policy_samples(self) -> list[Rollout]:
         """Samples of the loaded policy at temperature 1 with their log-probs: the KL is an expectation under it."""

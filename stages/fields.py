@@ -4,7 +4,8 @@ Everything that treats fields by what they are derives its list from these decla
 and reward files are fingerprinted, outputs left out), checkpoint ownership (fields that do not change training
 left out), the plan (schemas of datasets, placeholders for outputs), path resolution (local paths made absolute),
 the rehearsal (model stand-ins by kind, dataset fixtures, CPU values) and the once-per-run notes about flags that
-cannot act on CPU. A new dataset field needs nothing but its `Dataset(...)` role to enter all of them.
+cannot act on CPU, and the fields a deployment run may set otherwise than its deployment (`RunOverride`). A new
+dataset field needs nothing but its `Dataset(...)` role to enter all of them.
 
     dataset: Annotated[str | None, Dataset(split="dataset_split")] = Field(None, description="...")
 """
@@ -56,6 +57,13 @@ class NotTraining:
 
 
 @dataclass(frozen=True)
+class RunOverride:
+    """A deployment run may give it another value than the deployment's own parameters: how much to train and how
+    often to checkpoint or log. Everything else (models, data, reward sources, the gate, where artifacts go) only
+    the deployment sets."""
+
+
+@dataclass(frozen=True)
 class GpuOnly:
     """Acts on GPUs only; on CPU it amounts to `cpu_value`, and a run set otherwise says `why` once."""
 
@@ -64,6 +72,7 @@ class GpuOnly:
 
 
 REWARD_SOURCE, OUTPUT, LAUNCHER, NOT_TRAINING = RewardSource(), Output(), Launcher(), NotTraining()
+RUN_OVERRIDE = RunOverride()
 Role = TypeVar("Role")
 
 

@@ -4,22 +4,70 @@
   many GB at every start costs minutes);
 - local directories: the data files under them (.json/.jsonl/.parquet), each as above;
 - s3:// objects and prefixes: each object's ETag and size (no download);
-- hub datasets: the resolved commit sha of the dataset repository; without hub access (offline, no network) the
-  name alone, marked "unresolved".
+- hub datasets: the commit sha of the dataset repository. A source pinned to a revision (`org/name#<sha>`, what
+  the plan makes of a hub name) is that revision, without asking the hub; an unpinned one is looked up, the
+  look-up retried while the hub fails transiently, and a look-up that keeps failing raises HubUnavailable rather
+  than standing in for a revision (a fingerprint that changes with the hub's health would change the stage key).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+from functools import cache
 from pathlib import Path
+
+from stages.errors import SourceUnavailable, StageInputError
 
 LARGE_FILE_BYTES = 256 * 2**20
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 HUB_TIMEOUT_S = 10.0
+HUB_RETRY_S = 4.0  # three look-ups, 1 s and 2 s apart: a hub blip passes, a machine without the hub fails fast
 # "path@split" or "org/name@validation[:100]" (the same suffix stages.data.load_rows accepts)
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
+# "org/name#<revision>": a hub dataset pinned to a revision of its repository
+_REVISION = re.compile(r"^(?P<name>[^#]+)#(?P<revision>[\w.-]+)$")
+logger = logging.getLogger(__name__)
+
+
+class HubUnavailable(SourceUnavailable):
+    """The hub did not tell a dataset's revision (no network, an outage): the run cannot pin what it would read."""
+
+
+def split_revision(path: str) -> tuple[str, str | None]:
+    """`"org/name#sha"` -> ("org/name", "sha"); anything else -> (path, None)."""
+    match = _REVISION.match(path)
+    return (match["name"], match["revision"]) if match else (path, None)
+
+
+def hub_dataset_name(source: str) -> str | None:
+    """The hub repository `source` names (split suffix and pin left out), or None for files, folders and s3://."""
+    match = _SPLIT_SUFFIX.match(source)
+    path = (match["path"] if match else source).removeprefix("file://")
+    if path.startswith("s3://") or Path(path).expanduser().exists():
+        return None
+    if path.startswith(("/", "./", "../", "~")) or Path(path).suffix in DATA_SUFFIXES:
+        return None
+    return split_revision(path)[0]
+
+
+def unpinned_hub_dataset(source: str) -> bool:
+    """Whether `source` names a hub dataset without a revision."""
+    match = _SPLIT_SUFFIX.match(source)
+    path = match["path"] if match else source
+    return hub_dataset_name(source) is not None and split_revision(path)[1] is None
+
+
+def pin_hub_revision(source: str) -> str:
+    """`source` with a hub dataset pinned to its current revision (`org/name#<sha>[@split]`); other sources and
+    pinned ones unchanged. HubUnavailable when the hub does not answer."""
+    if not unpinned_hub_dataset(source):
+        return source
+    match = _SPLIT_SUFFIX.match(source)
+    name, split = hub_dataset_name(source), f"@{match['split']}" if match else ""
+    return f"{name}#{hub_revision(name)}{split}"
 
 
 def dataset_fingerprint(source: str) -> str:
@@ -39,7 +87,8 @@ def dataset_fingerprint(source: str) -> str:
         return f"dir:{digest.hexdigest()[:32]}"
     if path.startswith(("/", "./", "../", "~")) or Path(path).suffix in DATA_SUFFIXES:
         return "missing"
-    return _hub_fingerprint(path)
+    name, revision = split_revision(path)
+    return f"hub:{name}@{revision or hub_revision(name)}"
 
 
 def _file_fingerprint(path: Path) -> str:
@@ -56,11 +105,12 @@ def _file_fingerprint(path: Path) -> str:
 def _s3_fingerprint(uri: str) -> str:
     import fsspec
 
-    from infra.artifacts import storage_options_from_env
+    from infra.artifacts import StoreSettings, retrying, storage_options_from_env
 
     fs = fsspec.filesystem("s3", **storage_options_from_env(uri))
     fs.invalidate_cache()
-    objects = fs.find(uri.removeprefix("s3://"), detail=True)
+    objects = retrying(f"listing of {uri}", lambda: fs.find(uri.removeprefix("s3://"), detail=True),
+                       StoreSettings().artifact_retry_s, logger.warning)
     if not objects:
         return "missing"
     digest = hashlib.sha256()
@@ -70,13 +120,20 @@ def _s3_fingerprint(uri: str) -> str:
     return f"s3:{digest.hexdigest()[:32]}"
 
 
-def _hub_fingerprint(name: str) -> str:
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return f"hub:{name}@unresolved"
-    try:
-        from huggingface_hub import HfApi
+@cache
+def hub_revision(name: str) -> str:
+    """The commit sha of hub dataset `name`, looked up again while the hub fails transiently (HUB_RETRY_S).
+    HubUnavailable when it cannot be told; StageInputError when the hub answers that there is no such dataset."""
+    from infra.artifacts import StoreUnreachable, retrying
 
-        sha = HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S).sha
-    except Exception:  # no network, no such repo, no access: the name is all we know
-        return f"hub:{name}@unresolved"
-    return f"hub:{name}@{sha}"
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise HubUnavailable(f"hub dataset {name}: its revision cannot be looked up offline (HF_HUB_OFFLINE)")
+    from huggingface_hub import HfApi
+
+    try:
+        return retrying(f"revision look-up of hub dataset {name}",
+                        lambda: HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S).sha, HUB_RETRY_S, logger.warning)
+    except StoreUnreachable as error:
+        raise HubUnavailable(f"hub dataset {name}: {error}") from error
+    except OSError as error:  # the hub answered: no such repository, no access
+        raise StageInputError(f"hub dataset {name}: {type(error).__name__}: {error}") from error

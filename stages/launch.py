@@ -1,5 +1,6 @@
 """How a stage entrypoint starts its ranks and reports: Ray actor group (default) or an external launcher, the
-writer lock of its workspace, and the exit codes of stages/errors.py.
+writer lock of its workspace, the check of its input models, its redacted output, and the exit codes of
+stages/errors.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.errors import EXIT_CONFIG_ERROR, EXIT_WORKSPACE_BUSY, StageInputError, WorkspaceBusy
+from infra.secrets import Redactor, redact_streams
+from stages.errors import WorkspaceBusy, exit_code
 from stages.fields import cpu_notes
 
 
@@ -113,27 +115,34 @@ def writer_lock(lock_path: Path) -> Iterator[None]:
 
 
 def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str] | None = None) -> None:
-    """Parse the stage's flags, run `body(cfg)` holding the writer lock (rank 0), map failures to exit codes."""
+    """Parse the stage's flags, check its input models, run `body(cfg)` holding the writer lock (rank 0), map
+    failures to exit codes. Everything the process prints is redacted with its own (the node's) environment."""
     from stages.cli import parse_stage_args
+    from stages.model_io import check_model_inputs
     from stages.tracking import silence_known_noise
 
+    redact_streams(Redactor())
     cfg = parse_stage_args(stage, argv)
     silence_known_noise()
-    lock = (writer_lock(writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None)))
-            if os.environ.get("RANK", "0") == "0" else nullcontext())  # under a launcher rank 0 holds it
+    first_rank = os.environ.get("RANK", "0") == "0"  # under a launcher rank 0 checks and holds the lock
+    target = writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None))
+    lock = writer_lock(target) if first_rank else nullcontext()
     try:
         with lock:
+            if first_rank:
+                check_model_inputs(stage, cfg)
             result = body(cfg)
-    except WorkspaceBusy as error:
-        print(f"[{stage}] error: {error}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_WORKSPACE_BUSY)
-    except StageInputError as error:
-        # Raised in a rank actor, it arrives wrapped in Ray's error (also an instance of its class): show its own
-        # message, not the remote traceback.
-        print(f"[{stage}] error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG_ERROR)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
-    if os.environ.get("RANK", "0") == "0":  # under a launcher every rank gets here
+    except Exception as error:
+        code = exit_code(error)
+        if code == 1:
+            traceback.print_exc()
+        else:
+            # Raised in a rank actor, it arrives wrapped in Ray's error (also an instance of its class): show its
+            # own message, not the remote traceback.
+            print(f"[{stage}] error: {getattr(error, 'cause', None) or error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(code)
+    sys.stdout.flush()
+    if first_rank:  # under a launcher every rank gets here
         print(f"[{stage}] done: {json.dumps(result.get('metrics', {}), sort_keys=True)}", flush=True)

@@ -1,5 +1,11 @@
 """Resolve, load and save Hugging Face models and tokenizers (hub names, local dirs, file://, s3://).
 
+A model that is a committed version of the artifact store (its MANIFEST.json beside it) is loaded only through the
+store's checked path: `check_model_inputs` verifies, in the stage's driver before any rank starts, the sha256 of
+every file against the manifest, where the manifest was read, and that the folder holds nothing it does not list;
+a file that differs stops the stage with exit 2 naming it. An s3:// version is downloaded into the model cache
+through the same check (transient S3 errors retried), once per node: ranks find the checked copy.
+
 transformers is imported by the functions that load models: resolving a path costs a stage no such import.
 """
 
@@ -18,7 +24,18 @@ from typing import TYPE_CHECKING
 import fsspec
 import torch
 
-from infra.artifacts import storage_options_from_env
+from infra.artifacts import (
+    ArtifactError,
+    Manifest,
+    StoreSettings,
+    StoreUnreachable,
+    is_version_folder,
+    open_version,
+    retrying,
+    storage_options_from_env,
+)
+from stages.errors import SourceUnavailable, StageInputError
+from stages.fields import ModelPath, fields_with
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,15 +59,86 @@ def resolve_model_path(name_or_uri: str | os.PathLike) -> str:
     if name_or_uri.startswith("file://"):
         return name_or_uri.removeprefix("file://")
     if name_or_uri.startswith("s3://"):
+        if is_version_folder(name_or_uri):
+            return str(_checked_s3_version(*open_version(name_or_uri, log=logger.warning), verify_cached=False))
         return str(_download_s3_dir(name_or_uri))
     return name_or_uri
 
 
+def check_model_inputs(stage: str, cfg) -> None:
+    """Verify every committed version the config's model fields name (stages/fields.py ModelPath), before any
+    rank loads one: StageInputError (exit 2) naming the field and the file that differs; SourceUnavailable (exit 1)
+    when the store stays unreachable."""
+    for field in fields_with(type(cfg), ModelPath):
+        location = getattr(cfg, field)
+        if not location:
+            continue
+        try:
+            if not is_version_folder(location):
+                continue
+            store, manifest = open_version(location, log=logger.warning)
+            if location.startswith("s3://"):
+                _checked_s3_version(store, manifest, verify_cached=True)
+            else:
+                store.verify(manifest)
+        except StoreUnreachable as error:
+            raise SourceUnavailable(f"--{field} {location}: {error}") from error
+        except (ArtifactError, OSError) as error:  # a file that differs, a manifest out of place, access denied
+            raise StageInputError(f"--{field} {location}: refused: {error}") from error
+        print(f"[{stage}] --{field}: {manifest.pipeline}/{manifest.stage} v{manifest.version:04d} checked "
+              f"({len(manifest.files)} files, sha256)", flush=True)
+
+
+def _checked_s3_version(store, manifest: Manifest, verify_cached: bool) -> Path:
+    """The model cache's copy of a committed s3:// version, downloaded and checked against its manifest if it is
+    not there yet (the cache folder is named by the version's content digest). With `verify_cached`, a copy that
+    is already there is checked again, and fetched anew if it differs."""
+    readable_name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{manifest.pipeline}-{manifest.stage}-v{manifest.version:04d}")
+    cache_root = model_cache_dir()
+    target = cache_root / f"{readable_name}-{manifest.digest[:16]}"
+    if target.is_dir():
+        if not verify_cached:
+            return target
+        try:
+            store.verify_copy(manifest, target)
+            return target
+        except ArtifactError as error:
+            logger.warning("model cache copy differs from its manifest, fetching it again: %s", error)
+            shutil.rmtree(target, ignore_errors=True)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{readable_name}.", dir=cache_root))
+    try:
+        logger.info("downloading %d files from %s to %s", len(manifest.files), manifest.uri, target)
+        store.download(manifest, staging)  # retried, then checked file by file
+        _rename_into_place(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _rename_into_place(staging: Path, target: Path) -> None:
+    """Concurrent downloaders keep whichever rename wins; a crash never leaves a partial model under `target`."""
+    try:
+        staging.rename(target)
+    except OSError:
+        if not target.is_dir():
+            raise
+
+
 def _download_s3_dir(uri: str) -> Path:
+    """A plain s3:// model folder (not a committed version: nothing to check it against), transient S3 errors
+    retried."""
     fs = fsspec.filesystem("s3", **storage_options_from_env(uri))
     fs.invalidate_cache()
     prefix = uri.removeprefix("s3://").rstrip("/")
-    objects = fs.find(prefix, detail=True)
+
+    def retried(what: str, operation):
+        try:
+            return retrying(what, operation, StoreSettings().artifact_retry_s, logger.warning)
+        except StoreUnreachable as error:
+            raise SourceUnavailable(str(error)) from error
+
+    objects = retried(f"listing of {uri}", lambda: fs.find(prefix, detail=True))
     if not objects:
         raise FileNotFoundError(f"no model files under {uri}")
     if list(objects) == [prefix]:
@@ -79,12 +167,8 @@ def _download_s3_dir(uri: str) -> Path:
         for local in local_paths:
             Path(local).parent.mkdir(parents=True, exist_ok=True)
         logger.info("downloading %d files from %s to %s", len(files), uri, target)
-        fs.get(remote_paths, local_paths)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not target.is_dir():
-                raise
+        retried(f"download of {uri}", lambda: fs.get(remote_paths, local_paths))
+        _rename_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

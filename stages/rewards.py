@@ -8,16 +8,23 @@ JSON and answers the same dict.
 
 A reward function that raises, answers None, the wrong number of values, or a non-finite value is a bug in the
 reward, not bad luck: `RewardFunctionError` (the stage exits with code 2) names the function and the bad index.
-An endpoint that cannot be reached, times out or answers an HTTP error is bad luck: the request is retried with
-backoff on the next endpoint of the list, and samples whose every attempt failed come back marked `failed` (the
-RL stage drops them, never trains on them).
+An endpoint that cannot be reached, times out, cuts its answer short, answers an HTTP error or something that is
+not JSON is bad luck: the request is retried with backoff on the next endpoint of the list, and samples whose every
+attempt failed come back marked `failed` (the RL stage drops them, never trains on them; the evaluation fails, to
+be retried).
+
+Endpoints that need authentication get an `Authorization` header whose value is read from the environment variable
+`--remote_rm_auth_env` names (on the Ray nodes); a URL that carries credentials itself (`user:pass@`, `?token=`)
+is refused with exit 2, its credentials redacted from the message.
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import math
+import os
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra.secrets import is_secret_name, redact_patterns, url_credentials
 from stages.errors import StageInputError
 
 REMOTE_ATTEMPTS = 5
@@ -134,10 +142,12 @@ class RewardFunction:
 class RemoteReward:
     """HTTP reward endpoints: the batch is split over them; a failed request moves on to the next endpoint."""
 
-    def __init__(self, urls: list[str], timeout_s: float, backoff_base_s: float = BACKOFF_BASE_S):
+    def __init__(self, urls: list[str], timeout_s: float, backoff_base_s: float = BACKOFF_BASE_S,
+                 headers: dict[str, str] | None = None):  # fmt: skip
         self.urls = urls
         self.timeout_s = timeout_s
         self.backoff_base_s = backoff_base_s
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.name = f"reward endpoint{'s' if len(urls) > 1 else ''} {', '.join(urls)}"
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list[str]) -> RewardBatch:
@@ -159,11 +169,12 @@ class RemoteReward:
             url = self.urls[(chunk + attempt) % len(self.urls)]
             if attempt:
                 time.sleep(self.backoff_base_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(url, data=body, headers=self.headers)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     answer = json.loads(response.read())
-            except (OSError, ValueError) as error:  # refused, timed out, HTTP error status, not JSON
+            # refused, reset, timed out, cut short (IncompleteRead, BadStatusLine), an HTTP error status, not JSON
+            except (OSError, ValueError, http.client.HTTPException) as error:
                 errors.append(f"{url}: {type(error).__name__}: {error}")
                 continue
             return parse_reward_output(answer, len(queries), f"reward endpoint {url}")
@@ -172,15 +183,48 @@ class RemoteReward:
         return RewardBatch(nan, nan.clone(), failed, {}, errors)
 
 
-def load_reward_source(spec: str, timeout_s: float = 180.0) -> RewardFunction | RemoteReward:
-    """`--remote_rm_url`: a comma-separated list of http(s) URLs, or a Python file defining reward_func."""
+def load_reward_source(spec: str, timeout_s: float = 180.0, auth_env: str | None = None,
+                       ) -> RewardFunction | RemoteReward:  # fmt: skip
+    """`--remote_rm_url`: a comma-separated list of http(s) URLs (with `auth_env`, the variable holding their
+    Authorization header), or a Python file defining reward_func."""
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     if parts and all(part.startswith(("http://", "https://")) for part in parts):
-        return RemoteReward(parts, timeout_s)
+        for url in parts:
+            if found := url_credentials(url):
+                raise StageInputError(
+                    f"--remote_rm_url {redact_patterns(url)}: credentials in the URL are refused ({', '.join(found)}): "
+                    "they would be copied into logs, manifests and the UI. Put the Authorization header value in "
+                    "an environment variable of the Ray nodes and name it with --remote_rm_auth_env")
+        return RemoteReward(parts, timeout_s, headers=auth_header(auth_env))
+    if auth_env:
+        raise StageInputError(f"--remote_rm_auth_env {auth_env}: applies to HTTP reward endpoints, and "
+                              f"--remote_rm_url {spec} is none")
     path = Path(spec)
     if not path.is_file():
         # Relative paths also resolve against the project root, so presets work from any working directory.
         path = Path(__file__).resolve().parent.parent / spec
     if not path.is_file() or path.suffix != ".py":
-        raise StageInputError(f"--remote_rm_url {spec}: not http(s) URLs nor a Python file")
+        raise StageInputError(f"--remote_rm_url {redact_patterns(spec)}: not http(s) URLs nor a Python file")
     return RewardFunction(path)
+
+
+def reward_source_of(cfg) -> RewardFunction | RemoteReward | None:
+    """The reward source of an RL or evaluation config (--remote_rm_url), or None when it scores with a model."""
+    if not cfg.remote_rm_url:
+        return None
+    return load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout, cfg.remote_rm_auth_env)
+
+
+def auth_header(variable: str | None) -> dict[str, str]:
+    """{"Authorization": value of `variable`} (none without one). The variable must be named as a secret
+    (`*_TOKEN`, `*_KEY`, ...), so that its value is redacted wherever it could be printed."""
+    if not variable:
+        return {}
+    if not is_secret_name(variable):
+        raise StageInputError(f"--remote_rm_auth_env {variable}: name the variable as a secret (e.g. "
+                              f"REWARD_API_TOKEN, *_TOKEN, *_KEY), so that its value is redacted from every log")
+    value = os.environ.get(variable)
+    if not value:
+        raise StageInputError(f"--remote_rm_auth_env {variable}: the variable is not set in this process's "
+                              "environment (give it to the Ray nodes, not to the config)")
+    return {"Authorization": value}

@@ -34,7 +34,7 @@ from stages import engine as ds
 from stages.distributed import cluster_device, init_ray
 from stages.errors import StageInputError
 from stages.launch import note_cpu_limits, stage_main
-from stages.rewards import RewardBatch, load_reward_source
+from stages.rewards import RewardBatch, reward_source_of
 from stages.roles import Roles
 from stages.rollout import Rollout, generate_across
 from stages.sequences import build_sequences, chunks, split_rows
@@ -393,7 +393,7 @@ def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
     from stages import data
     from stages.model_io import load_tokenizer
 
-    reward_source = load_reward_source(cfg.remote_rm_url, cfg.remote_rm_timeout) if cfg.remote_rm_url else None
+    reward_source = reward_source_of(cfg)
     rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
     validate_rows(cfg, rows, cfg.prompt_data)
     eval_rows = None

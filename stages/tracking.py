@@ -165,16 +165,25 @@ class StepLog:
             self._wandb.finish()
 
 
+def wandb_dir(cfg) -> Path:
+    """Where W&B writes its run files: $WANDB_DIR, else beside --save_path (`<save_path>.wandb`), never inside it:
+    the output is committed as the artifact, and W&B's console log and config are no part of the model."""
+    return Path(os.environ.get("WANDB_DIR") or Path(cfg.save_path).with_name(Path(cfg.save_path).name + ".wandb"))
+
+
 def _start_wandb(stage: str, cfg):
     """A W&B run: online with WANDB_API_KEY (or a logged-in machine), otherwise offline files to sync later.
 
-    The key never comes from the config, so it never lands in manifests or logs. The run id is derived from the
-    checkpoint directory, so a resumed stage continues its run instead of starting a new one.
+    The key never comes from the config, and the config W&B records is redacted (a token inside a URL), so neither
+    lands in W&B. The run id is derived from the checkpoint directory, so a resumed stage continues its run
+    instead of starting a new one.
     """
     import wandb
 
+    from infra.secrets import Redactor
+
     online = bool(os.environ.get("WANDB_API_KEY")) and os.environ.get("WANDB_MODE") != "offline"
-    directory = Path(os.environ.get("WANDB_DIR") or cfg.save_path)  # W&B adds its own wandb/ folder
+    directory = wandb_dir(cfg)  # W&B adds its own wandb/ folder
     directory.mkdir(parents=True, exist_ok=True)
     anchor = getattr(cfg, "ckpt_path", None) or cfg.save_path
     run_id = hashlib.sha256(f"{stage}\0{Path(anchor).resolve()}".encode()).hexdigest()[:16]
@@ -184,5 +193,5 @@ def _start_wandb(stage: str, cfg):
     return wandb.init(
         project=cfg.wandb_project, name=cfg.wandb_run_name or stage, id=run_id, resume="allow",
         dir=str(directory), mode="online" if online else "offline", settings=wandb.Settings(quiet=True),
-        config={key: value for key, value in cfg.model_dump(mode="json").items()},
+        config=Redactor().data(cfg.model_dump(mode="json")),
     )

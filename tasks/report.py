@@ -2,7 +2,9 @@
 
 The curve is drawn from the policy artifact's history.json and committed, with the report's markdown, as a version
 of the `report` stage (inputs: the evaluation and the policy), so it is as immutable and checksummed as the rest; a
-re-run with the same evaluation and policy finds that version instead of committing another.
+re-run with the same evaluation and policy finds that version instead of committing another. The sample answers
+come from the evaluation's samples.jsonl; both are read through the store's checked path. In the UI the curve is
+the PNG itself, embedded in the markdown.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from prefect.artifacts import create_markdown_artifact
 from infra.artifacts import ArtifactError, InputRef, open_store
 from infra.secrets import Redactor
 from pipeline.identity import StageResult
-from pipeline.report import CURVE_FILE, ReportResult, learning_curve_png, report_markdown
+from pipeline.report import CURVE_FILE, ReportResult, learning_curve_png, png_data_uri, report_markdown
 from tasks.run_stage import artifact_key
 
 REPORT_STAGE = "report"
+SAMPLES_FILE = "samples.jsonl"
 
 
 def _report_key(report: StageResult, policy: StageResult) -> str:
@@ -34,6 +37,9 @@ def publish_report(report: StageResult, policy: StageResult, *, artifact_root: s
     logger = get_run_logger()
     redact = Redactor()
     store = open_store(artifact_root, report.pipeline, log=logger.warning)
+    evaluation = store.get(report.stage, report.version)
+    samples = ([json.loads(line) for line in store.read_file(evaluation, SAMPLES_FILE).decode().splitlines()]
+               if SAMPLES_FILE in evaluation.files else [])
     key = _report_key(report, policy)
     committed = store.find_by_stage_key(REPORT_STAGE, key)
     if committed is None:
@@ -48,7 +54,7 @@ def publish_report(report: StageResult, policy: StageResult, *, artifact_root: s
             if png is not None:
                 (Path(tmp) / CURVE_FILE).write_bytes(png)
             # In the stored copy the curve is linked relative to report.md, wherever the version is read from.
-            stored = report_markdown(report, policy, curve_link=CURVE_FILE if png else None)
+            stored = report_markdown(report, policy, CURVE_FILE if png else None, samples)
             (Path(tmp) / "report.md").write_text(redact.text(stored))
             committed = store.commit(
                 REPORT_STAGE, tmp, config={"evaluate": report.uri, "policy": policy.uri},
@@ -57,8 +63,11 @@ def publish_report(report: StageResult, policy: StageResult, *, artifact_root: s
                 metrics=redact.data(report.metrics), stage_key=key,
             )  # fmt: skip
     curve_uri = f"{committed.uri}/{CURVE_FILE}" if CURVE_FILE in committed.files else None
-    markdown = redact.text(report_markdown(report, policy, curve_uri))
-    create_markdown_artifact(key=artifact_key(report.pipeline, "evaluation-report"), markdown=markdown,
-                             description=f"evaluation report, {REPORT_STAGE} v{committed.version}")  # fmt: skip
+    curve = png_data_uri(store.read_file(committed, CURVE_FILE)) if curve_uri else None
+    shown = redact.text(report_markdown(report, policy, curve, samples))
+    artifact_id = create_markdown_artifact(key=artifact_key(report.pipeline, "evaluation-report"), markdown=shown,
+                                           description=f"evaluation report, {REPORT_STAGE} v{committed.version}")
     logger.info(f"evaluation report {REPORT_STAGE} v{committed.version} at {committed.uri}")
-    return ReportResult(uri=committed.uri, version=committed.version, curve_uri=curve_uri, markdown=markdown)
+    # The result keeps the stored markdown (the curve linked, not embedded): results stay small.
+    return ReportResult(uri=committed.uri, version=committed.version, curve_uri=curve_uri,
+                        markdown=store.read_file(committed, "report.md").decode(), artifact_id=str(artifact_id))

@@ -15,12 +15,13 @@ stage, in this flow run or a retried one, finds the checkpoints of the last.
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import queue
 import re
 import shlex
 import shutil
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -37,6 +38,7 @@ from pipeline.identity import StageResult, stage_code_version, stage_identity
 from stages.errors import EXIT_CONFIG_ERROR
 from stages.launch import writer_lock_holder, writer_lock_path
 from tasks.progress import StageProgress
+from tasks.results import persisted
 
 TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
 # Ray colours the "(Worker pid=...)" prefixes of actor output; the Prefect log wants plain text.
@@ -101,16 +103,42 @@ def submission_id(key: str, attempt: int) -> str:
 
 class _LogForwarder:
     """Copies the new part of a job's log into the Prefect log, whole lines only, secrets redacted; hands the
-    new lines to the stage's progress artifact."""
+    new lines to the stage's progress artifact.
+
+    The log arrives incrementally through Ray's log tail (a websocket, followed in a thread of its own); only at the
+    end, to be sure nothing is missing, or when the tail breaks off, is the whole log fetched (Ray's HTTP API has no
+    offsets)."""
 
     def __init__(self, client, job_id: str, logger, redact: Redactor, progress: StageProgress):
         self.client, self.job_id, self.logger = client, job_id, logger
         self.redact, self.progress = redact, progress
         self.offset = 0
         self.text = ""
+        self._chunks: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._tail_broke = threading.Event()
+        threading.Thread(target=self._follow, name=f"log tail of {job_id}", daemon=True).start()
+
+    def _follow(self) -> None:
+        async def follow() -> None:
+            async for chunk in self.client.tail_job_logs(self.job_id):
+                self._chunks.put(chunk)
+
+        try:
+            asyncio.run(follow())
+        except Exception:  # the websocket failed or closed early: polls fetch the whole log instead
+            self._tail_broke.set()
+
+    def _received(self) -> str:
+        chunks = []
+        while not self._chunks.empty():
+            chunks.append(self._chunks.get())
+        return ANSI_ESCAPE.sub("", "".join(chunks))
 
     def forward(self, final: bool = False) -> None:
-        self.text = ANSI_ESCAPE.sub("", self.client.get_job_logs(self.job_id))
+        if final or self._tail_broke.is_set():
+            self.text = ANSI_ESCAPE.sub("", self.client.get_job_logs(self.job_id))
+        else:
+            self.text += self._received()
         new = self.text[self.offset :]
         if not final:
             new = new[: new.rfind("\n") + 1]
@@ -292,33 +320,8 @@ def run_stage(
     return result
 
 
-def result_storage(settings: Settings) -> Path | str:
-    """Prefect `result_storage` of RLHF_RESULT_STORAGE: a local path, or the slug of a saved storage block.
-
-    Prefect only takes saved blocks, so an fsspec URI (s3://...) is saved once as a `remote-file-system` block named
-    after it; its credentials come from each worker's environment.
-    """
-    value = settings.result_storage
-    if value is None:
-        return settings.workspace_root / "prefect-results"
-    if value.startswith("block:"):
-        return value.removeprefix("block:")
-    if value.startswith("file://"):
-        return Path(value.removeprefix("file://"))
-    if "://" in value:
-        from prefect.filesystems import RemoteFileSystem
-
-        name = "rlhf-results-" + hashlib.sha256(value.encode()).hexdigest()[:12]
-        RemoteFileSystem(basepath=value).save(name, overwrite=True)
-        return f"remote-file-system/{name}"
-    return Path(value).expanduser().resolve()
-
-
 def stage_task(settings: Settings | None = None):
-    """`run_stage` with retries and result storage taken from the current settings."""
+    """`run_stage` with retries and (checked, JSON) result storage taken from the current settings."""
     settings = settings or get_settings()
-    return run_stage.with_options(
-        retries=settings.max_retries,
-        retry_delay_seconds=settings.retry_delay_s,
-        result_storage=result_storage(settings),
-    )
+    return run_stage.with_options(retries=settings.max_retries, retry_delay_seconds=settings.retry_delay_s,
+                                  **persisted(settings))

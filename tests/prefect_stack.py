@@ -28,11 +28,11 @@ STAGES = ("sft", "reward_model", "rl", "evaluate")
 FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED}
 
 
-def small_tiny_config(tmp: Path, **sections: dict) -> dict:
+def small_tiny_config(**sections: dict) -> dict:
     """The tiny preset cut to a few steps per stage (these tests check operations, not learning), as the
-    deployment's `config` parameter; `sections` override per stage."""
+    deployment's `config` parameter: only fields a run may set otherwise than its deployment (RunOverride), the
+    tiny assets where the preset builds them; `sections` override per stage."""
     overrides = {
-        "tiny_assets_dir": str(tmp / "tiny-assets"),
         "sft": {"max_samples": 128, "max_epochs": 1},
         "reward_model": {"max_samples": 64, "max_epochs": 1},
         "rl": {"max_samples": 64, "num_episodes": 1, "save_steps": 1},

@@ -15,6 +15,7 @@ class TcpProxy:
     def __init__(self, target: tuple[str, int]):
         self.target = target
         self.port = 0
+        self.sent: list[bytes] = []  # what clients sent, chunk by chunk (a test reads the HTTP request lines in it)
         self._listener: socket.socket | None = None
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -64,12 +65,14 @@ class TcpProxy:
                     upstream.close()
                     return
                 self._connections.update((client, upstream))
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+            for source, sink, record in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pipe, args=(source, sink, record), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, record: bool) -> None:
         try:
             while data := source.recv(65536):
+                if record:
+                    self.sent.append(data)
                 sink.sendall(data)
         except OSError:
             pass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from infra.artifacts import MANIFEST_NAME, ArtifactError, ArtifactStore, ChecksumError, config_hash, open_store
+from infra.artifacts import (
+    MANIFEST_NAME,
+    AliasMoved,
+    ArtifactError,
+    ArtifactStore,
+    ChecksumError,
+    config_hash,
+    open_store,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +164,7 @@ def test_aliases(store_root, tmp_path):
     store.set_alias("rl", "production", 2)
     assert store.get("rl", "production").version == 2
     assert store.alias_record("rl", "production")["previous"] is None
-    store.set_alias("rl", "production", 1)  # moving an alias replaces its pointer file
+    store.set_alias("rl", "production", 1)  # moving an alias records a new move
     assert store.get("rl", "production").version == 1
     # The pointer remembers what it replaced (the gate compares with it), also when set to the same version again.
     assert store.alias_record("rl", "production")["previous"] == 2
@@ -314,13 +323,17 @@ def test_gc_removes_what_killed_writers_left_after_the_grace_period(store_root, 
     leftovers = store.garbage("sft", grace_s=0)
     assert any("/_staging/" in path for path in leftovers) and any(path.endswith("/v0002") for path in leftovers)
 
-    def gc(grace_s: float) -> str:
+    def gc(grace_s: float, minimum: str = "0", returncode: int = 0) -> str:
         done = subprocess.run([sys.executable, "-m", "infra.artifacts", "gc", store_root, "--grace-s", str(grace_s)],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+                              cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "RLHF_MIN_STAGING_GRACE_S": minimum})  # fmt: skip
+        assert done.returncode == returncode, done.stderr
+        return done.stdout + done.stderr
 
     assert gc(3600) == "" and store.garbage("sft", grace_s=0) == leftovers
+    # A grace below the minimum could take a live upload for a leftover: refused, nothing removed.
+    assert "below the minimum of 3600s" in gc(0, minimum="3600", returncode=2)
+    assert store.garbage("sft", grace_s=0) == leftovers
     assert sorted(line.removeprefix("removed ") for line in gc(0).splitlines()) == sorted(
         store._uri(path) for path in leftovers)  # fmt: skip
     assert store.garbage("sft", grace_s=0) == []
@@ -336,8 +349,212 @@ def test_commit_cleans_leftovers_older_than_the_grace_period(store_root, tmp_pat
     assert store.garbage("sft", grace_s=0) != []  # younger than the default grace: kept
 
     messages = []
-    impatient = ArtifactStore(store_root, "pipe", store.storage_options, staging_grace_s=0, log=messages.append)
+    impatient = ArtifactStore(store_root, "pipe", store.storage_options, staging_grace_s=0, min_grace_s=0,
+                              log=messages.append)
     impatient.commit("sft", make_source(tmp_path / "b", "b"), config={})
     assert impatient.garbage("sft", grace_s=0) == []
     assert any("removed" in message and "_staging" in message for message in messages), messages
     assert impatient.versions("sft") == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- what reading checks
+
+def stored_path(store, manifest, rel: str = "") -> str:
+    path = store.fs._strip_protocol(manifest.uri)
+    return f"{path}/{rel}" if rel else path
+
+
+def rewrite_manifest(store, manifest, **changes) -> None:
+    """Replace a stored manifest by one with `changes` (its digest kept consistent with its files table)."""
+    data = {**json.loads(store.fs.cat_file(stored_path(store, manifest, MANIFEST_NAME))), **changes}
+    if "files" in changes:
+        table = {rel: [e["size"], e["sha256"]] for rel, e in sorted(changes["files"].items())}
+        data["digest"] = hashlib.sha256(json.dumps(table, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    store.fs.pipe_file(stored_path(store, manifest, MANIFEST_NAME), json.dumps(data).encode())
+
+
+def test_non_finite_metrics_are_refused_at_commit_naming_them(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    source = make_source(tmp_path / "src", "a")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ArtifactError, match=r"non-finite metric accuracy \((nan|inf)\)"):
+            store.commit("evaluate", source, config={}, metrics={"accuracy": bad, "prompts": 16})
+    (source / "metrics.json").write_text('{"accuracy": NaN}')  # what json.dumps writes for a NaN
+    with pytest.raises(ArtifactError, match="non-finite metric accuracy"):
+        store.commit("evaluate", source, config={})
+    assert store.versions("evaluate") == []
+
+
+def test_an_unreadable_manifest_is_skipped_and_reported_never_fatal(store_root, tmp_path):
+    """A manifest written before non-finite metrics were refused (`null`), newest of its stage: reuse still finds the
+    older version, the listing and `verify` report it and go on."""
+    messages = []
+    store = ArtifactStore(store_root, "pipe", log=messages.append)
+    good = store.commit("evaluate", make_source(tmp_path / "a", "a"), config={}, stage_key="night-1")
+    broken = store.commit("evaluate", make_source(tmp_path / "b", "b"), config={}, stage_key="night-2")
+    rewrite_manifest(store, broken, metrics={"accuracy": None})
+
+    assert store.find_by_stage_key("evaluate", "night-1") == good
+    assert store.find_by_stage_key("evaluate", "night-2") is None
+    assert any("skipping unreadable evaluate v0002" in m and "metrics.accuracy" in m for m in messages), messages
+    assert [m.version for m in store.readable("evaluate")] == [1]
+    row = next(line for line in store.listing().splitlines() if line.startswith("evaluate") and "v0002" in line)
+    assert "UNREADABLE" in row
+
+    done = subprocess.run([sys.executable, "-m", "infra.artifacts", "verify", store_root, "pipe"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr  # a finding, not a crash
+    assert f"ok      {good.uri}" in done.stdout and "UNREADABLE  evaluate v0002" in done.stdout
+
+
+@pytest.mark.parametrize("name", ["../../../escape.bin", "/etc/passwd", "a\\..\\b.bin", "./weights-0.bin", "a//b"])
+def test_manifest_file_names_outside_the_version_are_refused(store_root, tmp_path, name):
+    store = open_store(store_root, "pipe")
+    manifest = store.commit("sft", make_source(tmp_path / "src", "a"), config={})
+    entry = manifest.files["weights-0.bin"].model_dump()
+    rewrite_manifest(store, manifest, files={name: entry})
+    with pytest.raises(ArtifactError, match="is not a relative path inside the version folder"):
+        store.get("sft", 1)
+    forged = manifest.model_copy(update={"files": {name: manifest.files["weights-0.bin"]}})
+    with pytest.raises(ArtifactError):  # a manifest built by hand is refused too, before anything is written
+        store.download(forged, tmp_path / "dl")
+    assert not (tmp_path / "escape.bin").exists()
+
+
+def test_commit_refuses_symlinks(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    secret = tmp_path / "outside.txt"
+    secret.write_text("not part of the model")
+    source = make_source(tmp_path / "src", "a")
+    (source / "linked.txt").symlink_to(secret)
+    with pytest.raises(ArtifactError, match=r"symlinks are refused \(linked.txt\)"):
+        store.commit("sft", source, config={})
+    (source / "linked.txt").unlink()
+    (source / "linked_dir").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(ArtifactError, match="linked_dir"):
+        store.commit("sft", source, config={})
+    assert store.versions("sft") == []
+
+
+def test_verify_refuses_unlisted_files_and_symlinks_in_a_version(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    manifest = store.commit("sft", make_source(tmp_path / "src", "a"), config={})
+    store.fs.pipe_file(stored_path(store, manifest, "modeling_extra.py"), b"import os")
+    with pytest.raises(ChecksumError, match="files the manifest does not list: modeling_extra.py"):
+        store.verify(manifest)
+    store.fs.rm(stored_path(store, manifest, "modeling_extra.py"))
+    store.verify(manifest)
+    if store_root.startswith("s3://"):
+        return  # S3 has no symlinks
+    weights = Path(stored_path(store, manifest, "weights-0.bin"))
+    copy = tmp_path / "elsewhere.bin"
+    copy.write_bytes(weights.read_bytes())  # same bytes, but the version no longer holds them
+    weights.unlink()
+    weights.symlink_to(copy)
+    with pytest.raises(ChecksumError, match="symlinks in the version folder: weights-0.bin"):
+        store.verify(manifest)
+
+
+def copy_tree(store, src: str, dst: str) -> None:
+    for path in store.fs.find(src):
+        store.fs.pipe_file(dst + path[len(src):], store.fs.cat_file(path))
+
+
+def test_a_manifest_is_where_it_was_read_or_refused(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    sft = store.commit("sft", make_source(tmp_path / "sft", "sft"), config={})
+    rl = store.commit("rl", make_source(tmp_path / "rl", "rl"), config={}, inputs={"pretrain": sft.input_ref()})
+    base = store.fs._strip_protocol(sft.uri).rsplit("/", 3)[0]
+
+    # The whole store copied to another root (staging -> production bucket): everything read from the copy.
+    copy_tree(store, base, base + "-copy")
+    copy = open_store(store._uri(base + "-copy"), "pipe")
+    moved = copy.get("rl", 1)
+    assert moved.uri == store._uri(base + "-copy/pipe/rl/v0001") and moved.digest == rl.digest
+    assert [m.uri for m in copy.lineage("rl")] == [moved.uri, copy.get("sft", 1).uri]
+    copy.verify(moved)
+
+    # A version folder copied to another version number, stage or pipeline: its manifest says otherwise.
+    for target, claims in ((f"{base}/pipe/sft/v0007", "pipe/sft v0001"), (f"{base}/pipe/rl/v0002", "pipe/sft v0001"),
+                           (f"{base}/other/sft/v0001", "pipe/sft v0001")):  # fmt: skip
+        copy_tree(store, f"{base}/pipe/sft/v0001", target)
+        _, pipeline, stage, version = target.rsplit("/", 3)
+        with pytest.raises(ArtifactError, match=f"describes {claims}, not the folder it was read from"):
+            open_store(store_root, pipeline).get(stage, int(version[1:]))
+
+
+def test_alias_moves_are_compare_and_swap(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    for tag in "abc":
+        store.commit("rl", make_source(tmp_path / tag, tag), config={})
+    store.set_alias("rl", "production", 1, expected=None)
+    with pytest.raises(AliasMoved, match="points at v0001, not nothing") as moved:
+        store.set_alias("rl", "production", 2, expected=None)  # a promotion that compared with "no production"
+    assert moved.value.current == 1 and store.get("rl", "production").version == 1
+    store.set_alias("rl", "production", 2, expected=1)
+    assert store.alias_record("rl", "production")["previous"] == 1
+
+
+ALIAS_MOVER = """
+import os, sys, time
+from infra.artifacts import AliasMoved, open_store
+root, version, go_file = sys.argv[1:]
+store = open_store(root, "pipe")
+store.alias_record("rl", "production")  # connected
+print("ready", flush=True)
+while not os.path.exists(go_file):
+    time.sleep(0.002)
+try:
+    store.set_alias("rl", "production", int(version), expected=None)
+    print("moved", flush=True)
+except AliasMoved as error:
+    print("refused", error.current, flush=True)
+"""
+
+
+def test_of_two_concurrent_alias_moves_from_the_same_version_one_wins(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    for tag in "ab":
+        store.commit("rl", make_source(tmp_path / tag, tag), config={})
+    go_file = tmp_path / "go"
+    movers = {version: subprocess.Popen([sys.executable, "-c", ALIAS_MOVER, store_root, str(version), str(go_file)],
+                                        cwd=REPO, stdout=subprocess.PIPE, text=True) for version in (1, 2)}
+    assert all(proc.stdout.readline() == "ready\n" for proc in movers.values())
+    go_file.touch()  # both read "no production" and race for the first move
+    outcomes = {version: proc.communicate(timeout=120)[0].split() for version, proc in movers.items()}
+    (winner,) = [version for version, words in outcomes.items() if words == ["moved"]]
+    (loser,) = set(outcomes) - {winner}
+    assert outcomes[loser] == ["refused", str(winner)]
+    assert store.get("rl", "production").version == winner
+
+
+class ListsThenWaits(ArtifactStore):
+    """A gc whose listing is followed by `meanwhile()` before it removes anything, as when a writer resumes."""
+
+    listed: list[str] = []
+    meanwhile = staticmethod(lambda: None)
+
+    def garbage(self, stage, grace_s):
+        self.listed = super().garbage(stage, grace_s)
+        self.meanwhile()
+        return self.listed
+
+
+def test_gc_looks_at_each_leftover_again_before_removing_it(store_root, tmp_path):
+    store = open_store(store_root, "pipe")
+    store.commit("sft", make_source(tmp_path / "first", "first"), config={})
+    stage = store._stage_path("sft")
+    staging = f"{stage}/_staging/{'1' * 32}"
+    store.fs.pipe_file(f"{stage}/v0002/weights-0.bin", b"claimed, manifest not yet written")
+    store.fs.pipe_file(f"{staging}/weights-0.bin", b"an upload")
+    time.sleep(3.5)  # both older than the grace below (S3 times have a resolution of a second)
+
+    def writer_comes_back():  # the version gets its manifest, the upload a new file
+        copy_tree(store, f"{stage}/v0001/{MANIFEST_NAME}", f"{stage}/v0002/{MANIFEST_NAME}")
+        store.fs.pipe_file(f"{staging}/weights-1.bin", b"more of the upload")
+
+    gc = ListsThenWaits(store_root, "pipe", staging_grace_s=3, min_grace_s=0, log=lambda message: None)
+    gc.meanwhile = writer_comes_back
+    assert gc.collect_garbage("sft", grace_s=3) == []
+    assert len(gc.listed) == 2  # both were leftovers when listed
+    assert store.fs.exists(f"{stage}/v0002/weights-0.bin") and store.fs.exists(f"{staging}/weights-0.bin")

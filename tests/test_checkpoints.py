@@ -57,3 +57,34 @@ def test_checkpoints_without_a_fingerprint_are_not_trusted(tmp_path):
     commit_checkpoint(tmp_path / "ckpt", 10, max_keep=2)
     with pytest.raises(StageInputError, match="no fingerprint.json"):
         claim_checkpoints("sft", sft_config(tmp_path))
+
+
+class Planted:
+    """What a job could leave in a checkpoint folder: unpickling it creates a file (it could run anything)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_the_rng_state_round_trips_through_weights_only_and_a_planted_pickle_is_never_loaded(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from stages.engine import load_rng_state, rng_state, set_rng_state
+
+    path = tmp_path / "rng_rank0.pt"
+    torch.save(rng_state(), path)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    set_rng_state(load_rng_state(path))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+    marker = tmp_path / "planted-code-ran"
+    torch.save({"python": Planted(marker)}, path)
+    with pytest.raises(StageInputError, match="not an RNG state this project writes"):
+        load_rng_state(path)
+    assert not marker.exists()

@@ -443,7 +443,18 @@ def test_the_stage_key_is_stable_and_ignores_where_outputs_go():
     assert key(RLConfig.model_validate(cfg.model_dump())) == digest  # a dumped config re-validates unchanged
     assert key(cfg.model_copy(update={"save_path": "/x", "ckpt_path": "/y"})) == digest
     assert key(cfg.model_copy(update={"seed": 43})) != digest
-    assert key(load_pipeline_config("llama3-8b").rl) != digest
+    llama = load_pipeline_config("llama3-8b").rl
+    assert key(llama.model_copy(update={"prompt_data": f"{llama.prompt_data}#{'0' * 40}"})) != digest  # pinned
+
+
+def test_a_hub_dataset_whose_revision_cannot_be_told_gives_no_stage_key(monkeypatch):
+    """Offline (or with the hub down past the retries) there is no key to compute: never one that stands in for
+    the revision, which would change when the hub comes back and retrain everything."""
+    from stages.fingerprint import HubUnavailable
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnavailable, match="OpenRLHF/prompt-collection-v0.1"):
+        stage_identity("llama3-8b", "rl", load_pipeline_config("llama3-8b").rl, {}, code="c")
 
 
 def test_a_resolved_stage_config_round_trips_through_yaml(tmp_path, capsys):

@@ -16,6 +16,11 @@ One deployment run of the tiny pipeline (a few steps per stage) serves most test
 Meanwhile every listening socket of every process of the run (server, workers, flow, Ray, ranks, vLLM) is recorded:
 none may listen beyond loopback; and the worker's environment holds secret canaries that must appear nowhere the
 run wrote.
+- The evaluation report shows held-out answers by model and its learning curve, which renders in
+  the UI.
+Then, with toy stages (tests/fake_stages) for speed, deployments whose gate asks for a person's
+approval: one run is approved in the browser, another is rejected when its approval times out; and a
+run that tries to change a field only its deployment sets is refused.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ from prefect.states import Cancelled, Pending, Running, Scheduled
 
 from flows.server_setup import AUTO_RETRY_MESSAGE, RETRY_AUTOMATION_PREFIX, ZOMBIE_AUTOMATION
 from infra.artifacts import open_store
-from infra.ray_cluster import HEAD_RECORD, job_client, read_head_record
+from infra.ray_cluster import HEAD_RECORD, LocalRayHead, job_client, read_head_record
 from infra.settings import PROJECT_ROOT, get_settings
 from pipeline.identity import stage_code_version
+from pipeline.config import load_pipeline_config
 from stages.config import CONFIG_DIR
 from tests.conftest import MOTO_BUCKET
 from tests.prefect_stack import NIGHTLY, POOL, STAGES, PrefectStack, small_tiny_config, stop_process
+from tests.presets_in_prefect_yaml import regenerated
 from tests.tcp_proxy import TcpProxy
 
 OUTAGE_S = 30
@@ -64,7 +71,10 @@ def prefect_yaml() -> dict:
 
 
 def test_deployment_parameters_are_the_presets():
-    """Each deployment's config parameter is its preset verbatim; re-copy configs/<name>.yaml if this fails."""
+    """Each deployment's config parameter is its preset verbatim, comments included; after editing a preset,
+    `python tests/presets_in_prefect_yaml.py` regenerates prefect.yaml."""
+    text = (PROJECT_ROOT / "prefect.yaml").read_text()
+    assert text == regenerated(text), "prefect.yaml differs from the presets: run python tests/presets_in_prefect_yaml.py"
     deployments = {d["name"]: d for d in prefect_yaml()["deployments"]}
     assert set(deployments) == {"llama3-8b", "llama3-8b-grpo", "tiny"}
     for name, deployment in deployments.items():
@@ -219,6 +229,18 @@ def click_retry(browser, run_url: str) -> None:
     wait.until(ec.invisibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
 
 
+def rendered_images(browser, url: str, path: Path) -> list[tuple[str, int]]:
+    """(start of src, natural width) of every image the page at `url` shows once rendered; a screenshot to `path`."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(url)
+    WebDriverWait(browser, 60).until(lambda b: b.find_elements(By.CSS_SELECTOR, "img[src^='data:image/png']"))
+    time.sleep(2)  # let it decode and draw
+    browser.save_screenshot(str(path))
+    return browser.execute_script("return Array.from(document.images).map(i => [i.src.slice(0, 22), i.naturalWidth])")
+
+
 def screenshot_completed(browser, run_url: str, path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -298,7 +320,6 @@ def operated_run(stack, moto_s3, tmp_path_factory, test_output_dir):
         cutter = threading.Thread(target=cut_s3_during_commit, args=(proxy, workspace, record["outage"]), daemon=True)
         cutter.start()
         config = small_tiny_config(
-            tmp,
             sft={"max_samples": 1280, "save_steps": 5, "logging_steps": 5},  # 40 steps: time to kill a rank
             reward_model={"max_samples": 256, "save_steps": 2},
             rl={"rollout_backend": "vllm"},  # the audit covers vLLM's sockets too
@@ -362,6 +383,11 @@ def operated_run(stack, moto_s3, tmp_path_factory, test_output_dir):
                 any_=[run.id])))  # fmt: skip
             record["artifacts"] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
                 like_="tiny-")))  # fmt: skip
+        record["report_images"] = None
+        if browser is not None:
+            report = next(a for a in record["artifacts"] if a.key == "tiny-evaluation-report")
+            record["report_images"] = rendered_images(browser, f"{stack.url}/artifacts/artifact/{report.id}",
+                                                      test_output_dir / "ui-evaluation-report.png")
         record["logs"] = stack.logs(run.id)
         record["worker_log"] = worker_log
         record["leftover_ray"] = wait_for_no_ray_processes(marker)
@@ -516,8 +542,14 @@ def test_progress_and_the_evaluation_report_are_shown_in_the_ui(operated_run, s3
     report = by_key["tiny-evaluation-report"]
     assert report.type == "markdown"
     assert "| metric | policy | reference |" in report.data and "| accuracy |" in report.data
+    # What would be promoted beside what it replaces: held-out prompts, each model's answer and reward.
+    assert "| prompt | label | candidate | reference |" in report.data and "**(reward " in report.data
+    # The curve is in the markdown itself (a link into the store would be dead in the UI), and it renders.
+    assert "![learning curve of rl v1](data:image/png;base64," in report.data
+    if operated_run["report_images"] is not None:
+        assert ["data:image/png;base64,", 700] in operated_run["report_images"], operated_run["report_images"]
     curve = result.report.curve_uri
-    assert curve and curve.endswith("/learning_curve.png") and f"]({curve})" in report.data
+    assert curve and curve.endswith("/learning_curve.png")
     store = store_of(operated_run)
     report_version = store.get("report", result.report.version)
     assert store.read_file(report_version, "learning_curve.png").startswith(b"\x89PNG")
@@ -558,7 +590,7 @@ def test_nightly_runs_at_0100_utc_and_a_second_concurrent_run_is_cancelled(stack
         assert deployment.concurrency_options.collision_strategy == "CANCEL_NEW"
 
         # The first run is moved to Running as a worker would (no worker runs in this module outside the
-        # retried_run fixture, so nothing else picks these up); the second then tries to start.
+        # operated_run fixture, so nothing else picks these up); the second then tries to start.
         first = client.create_flow_run_from_deployment(deployment.id, state=Scheduled())
         second = client.create_flow_run_from_deployment(deployment.id, state=Scheduled())
         try:
@@ -569,3 +601,109 @@ def test_nightly_runs_at_0100_utc_and_a_second_concurrent_run_is_cancelled(stack
         finally:
             for run in (first, second):
                 client.set_flow_run_state(run.id, Cancelled(), force=True)
+
+
+# ---------------------------------------------------------------------------------------------- a person's approval
+
+APPROVAL_TIMEOUT_S = 20
+
+
+def approval_deployments(tmp: Path) -> Path:
+    """A prefect.yaml of two deployments of the tiny preset whose gate asks for approval: one that waits long, one
+    that rejects after APPROVAL_TIMEOUT_S (its RL learning rate differs, so that it has a candidate of its own)."""
+    (tiny,) = [d for d in prefect_yaml()["deployments"] if d["name"] == "tiny"]
+    deployments = []
+    for name, timeout_s, learning_rate in (("tiny-approval", 900, 3e-4), ("tiny-approval-timeout", APPROVAL_TIMEOUT_S,
+                                                                           4e-4)):  # fmt: skip
+        config = yaml.safe_load((CONFIG_DIR / "tiny.yaml").read_text())
+        config["gate"].update(require_approval=True, approval_timeout_s=timeout_s)
+        config["rl"]["actor_learning_rate"] = learning_rate
+        config["tiny_assets_dir"] = str(tmp / "tiny-assets")
+        deployments.append({**tiny, "name": name, "parameters": {"config": config}})
+    path = tmp / "prefect.yaml"
+    path.write_text(yaml.safe_dump({"name": "rlhf-flow-approvals", "prefect-version": prefect_yaml()["prefect-version"],
+                                    "deployments": deployments}))
+    return path
+
+
+def approve_in_browser(browser, run_url: str, comment: str) -> str:
+    """What a person does: open the paused run, click Resume, switch Approve on, write why, submit; returns the
+    form's text (what they read before approving)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(run_url)
+    wait = WebDriverWait(browser, 60)
+    wait.until(ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Resume']"))).click()
+    form = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
+    text = form.text
+    form.find_element(By.CSS_SELECTOR, "[role='switch']").click()
+    form.find_element(By.CSS_SELECTOR, "textarea").send_keys(comment)
+    form.find_element(By.XPATH, ".//button[normalize-space()='Submit']").click()
+    wait.until(ec.invisibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
+    return text
+
+
+@pytest.fixture(scope="module")
+def approval_runs(stack, tmp_path_factory, test_output_dir):
+    """With toy stages: a run approved in the browser, a run whose approval times out, a run that changes fields
+    only its deployment sets."""
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("chromium and chromium-driver are not installed (.ci/run installs them)")
+    tmp = tmp_path_factory.mktemp("approvals")
+    stack.cli("--no-prompt", "deploy", "--all", "--prefect-file", str(approval_deployments(tmp)))
+    record: dict = {"root": tmp / "artifacts"}
+    with LocalRayHead(num_cpus=2, auth_mode="disabled") as head:
+        worker, worker_log = stack.start_worker("toy-worker", {
+            "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages", "RLHF_RAY_ADDRESS": head.address,
+            "RLHF_RAY_AUTH_MODE": "disabled", "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"),
+            "RLHF_ARTIFACT_ROOT": str(record["root"]), "RLHF_RESULT_STORAGE": str(tmp / "results"),
+            "RLHF_POLL_INTERVAL_S": "0.5", "RLHF_MAX_RETRIES": "0"})  # fmt: skip
+        browser = chromium()
+        try:
+            run = stack.run_deployment("full-rlhf/tiny-approval", {})
+            stack.wait_for(run.id, {StateType.PAUSED}, timeout_s=600, logs=worker_log)
+            run_url = f"{stack.url}/runs/flow-run/{run.id}"
+            record["form"] = approve_in_browser(browser, run_url, "held-out answers look right")
+            record["approved"] = stack.wait_for(run.id, {StateType.COMPLETED}, timeout_s=300, logs=worker_log)
+            screenshot_completed(browser, run_url, test_output_dir / "ui-approved-run.png")
+
+            run = stack.run_deployment("full-rlhf/tiny-approval-timeout", {})
+            record["timed_out"] = stack.wait_for(run.id, {StateType.COMPLETED}, timeout_s=600, logs=worker_log)
+
+            forbidden = load_pipeline_config("tiny", {"gate": {"min_accuracy_gain": -1.0},
+                                                      "evaluate": {"remote_rm_url": "http://203.0.113.9/collect"}})
+            run = stack.run_deployment("full-rlhf/tiny", {"config": forbidden.model_dump(mode="json",
+                                                                                           exclude_unset=True)})
+            record["refused"] = stack.wait_for(run.id, {StateType.FAILED}, timeout_s=300, logs=worker_log)
+            with stack.client() as client:
+                record["states"] = {name: [s.name for s in client.read_flow_run_states(record[name].id)]
+                                    for name in ("approved", "timed_out")}  # fmt: skip
+        finally:
+            browser.quit()
+            stop_process(worker)
+    yield record
+
+
+def test_a_paused_night_is_approved_in_the_browser_and_promoted(approval_runs):
+    decision = approval_runs["approved"].state.result().promotion
+    assert "Paused" in approval_runs["states"]["approved"]
+    assert "Approve rl v1 for production?" in approval_runs["form"] and "evaluation report" in approval_runs["form"]
+    assert decision.promoted and decision.approval == "approved: held-out answers look right"
+    assert open_store(str(approval_runs["root"]), "tiny").get("rl", "production").version == decision.version == 1
+
+
+def test_a_night_nobody_approves_is_rejected_when_its_approval_times_out(approval_runs):
+    decision = approval_runs["timed_out"].state.result().promotion
+    assert "Paused" in approval_runs["states"]["timed_out"]
+    assert not decision.promoted and decision.version == 2 and decision.production_version == 1
+    assert decision.approval == f"no approval within {APPROVAL_TIMEOUT_S} s: rejected"
+    assert decision.reasons[0] == f"FAIL {decision.approval}"
+    assert open_store(str(approval_runs["root"]), "tiny").get("rl", "production").version == 1
+
+
+def test_a_deployment_run_may_not_change_what_only_its_deployment_sets(approval_runs):
+    message = approval_runs["refused"].state.message
+    assert "changes gate.min_accuracy_gain, evaluate.remote_rm_url: only the deployment sets them" in message, message
+    assert "a run may set " in message and "max_samples" in message

@@ -103,3 +103,44 @@ def test_value_model_gets_pad_token_id_from_tokenizer(tiny_model_dir, tmp_path):
     (unpadded / "config.json").write_text(json.dumps({**config, "pad_token_id": None}))
     value_model = model_io.load_value_model(str(unpadded))
     assert value_model.config.pad_token_id == model_io.load_tokenizer(str(unpadded)).pad_token_id
+
+
+# ---------------------------------------------------------------------------------------------- checked loads
+
+def flip_a_byte(fs, path: str) -> None:
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(path, bytes(data))
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_committed_model_is_loaded_only_after_its_checksums_and_a_flipped_byte_stops_the_stage(
+        backend, tiny_model_dir, tmp_path, model_cache, request):  # fmt: skip
+    from infra.artifacts import open_store
+    from stages.config import RewardModelConfig
+    from stages.errors import StageInputError
+
+    root = str(tmp_path / "artifacts") if backend == "file" else request.getfixturevalue("s3_root")
+    store = open_store(root, "pipe")
+    sft = store.commit("sft", tiny_model_dir, config={})
+    cfg = RewardModelConfig(pretrain=sft.uri if backend == "s3" else sft.uri.removeprefix("file://"))
+    model_io.check_model_inputs("reward_model", cfg)
+    if backend == "s3":  # checked into the cache once; the ranks load that copy
+        (cached,) = model_cache.iterdir()
+        assert model_io.resolve_model_path(sft.uri) == str(cached)
+        flip_a_byte(fsspec.filesystem("file"), str(cached / "model.safetensors"))
+        model_io.check_model_inputs("reward_model", cfg)  # a copy that differs is fetched again
+        store.verify_copy(sft, cached)
+
+    flip_a_byte(store.fs, f"{store.fs._strip_protocol(sft.uri)}/model.safetensors")
+    shutil.rmtree(model_cache, ignore_errors=True)
+    with pytest.raises(StageInputError, match=r"--pretrain .*sft/v0001: refused: .*model\.safetensors.*sha256"):
+        model_io.check_model_inputs("reward_model", cfg)
+    assert not model_cache.exists() or not any(p.name.startswith("pipe-sft") for p in model_cache.iterdir())
+
+
+def test_names_and_plain_folders_are_loaded_as_they_are(tiny_model_dir):
+    from stages.config import RewardModelConfig
+
+    model_io.check_model_inputs("reward_model", RewardModelConfig(pretrain="meta-llama/Meta-Llama-3-8B"))
+    model_io.check_model_inputs("reward_model", RewardModelConfig(pretrain=str(tiny_model_dir)))  # no manifest

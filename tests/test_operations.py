@@ -4,18 +4,35 @@ and test_crashes.)"""
 
 from __future__ import annotations
 
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from prefect.states import Crashed, Running, Scheduled
 
 from flows.full_rlhf import automatic_retries_in_a_row
 from flows.server_setup import AUTO_RETRY_MESSAGE
-from infra.ray_cluster import LocalRayHead
-from infra.secrets import Redactor, is_secret_name
+from infra.ray_cluster import (
+    TEMP_PARENT,
+    TEMP_PREFIX,
+    HeadRecord,
+    LocalRayHead,
+    RayClusterError,
+    is_own_temp_dir,
+    job_client,
+)
+from infra.secrets import RedactingStream, Redactor, is_secret_name
 from infra.settings import get_settings
 from tasks.progress import parse_step_line
 from pipeline.report import learning_curve_png, metrics_table
+
+NO_SUCH_PID = 2**22 + 4242  # above Linux's largest pid_max: signalling it can never reach a process
 
 
 def test_step_lines_are_parsed_in_the_stages_format():
@@ -76,6 +93,46 @@ def test_secret_values_are_redacted_by_variable_name():
     assert not is_secret_name("TOKENIZERS_PARALLELISM") and is_secret_name("my_api_key")
 
 
+CANARY = "c4n4ry7d1e0b5e"
+TOKENS = {"hf": "hf_" + "Q" * 30, "aws": "AKIA" + "Z" * 16, "openai": "sk-" + "x" * 40, "github": "ghp_" + "y" * 36}
+
+
+@pytest.mark.parametrize("text", [
+    f"http://user:{CANARY}@rm.internal:5000/score",
+    f"https://{CANARY}@rm.internal/score",
+    f"http://rm.internal/score?token={CANARY}",
+    f"http://rm.internal/score?model=a&api_key={CANARY}&x=1",
+    f"https://bucket.s3.amazonaws.com/k?X-Amz-Signature={CANARY}&X-Amz-Credential={CANARY}",
+    f"urlopen error for 'http://alice:{CANARY}@10.0.0.5/r': [Errno 111] Connection refused",
+])  # fmt: skip
+def test_credentials_in_urls_are_redacted_by_pattern(text):
+    redacted = Redactor({}).text(text)  # no variable holds them: the pattern alone finds them
+    assert CANARY not in redacted and "[redacted]" in redacted
+    assert "rm.internal" in redacted or "10.0.0.5" in redacted or "amazonaws" in redacted
+
+
+def test_common_token_formats_and_more_secret_names_are_redacted():
+    text = " ".join(TOKENS.values()) + " hf_short sk-short"
+    redacted = Redactor({}).text(text)
+    assert not any(token in redacted for token in TOKENS.values()) and "hf_short sk-short" in redacted
+    for name in ("DB_PASSWORD", "PREFECT_API_AUTH_STRING", "DATABASE_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
+                 "SMTP_PASSWORD_FILE"):  # fmt: skip
+        assert is_secret_name(name), name
+        assert CANARY not in Redactor({name: CANARY}).text(f"value {CANARY}")
+
+
+def test_a_stream_redacts_whole_lines_even_when_a_secret_arrives_in_pieces():
+    import io
+
+    target = io.StringIO()
+    stream = RedactingStream(target, Redactor({"HF_TOKEN": CANARY}))
+    stream.write(f"token {CANARY[:5]}")
+    stream.write(f"{CANARY[5:]} and http://u:p{CANARY[1:]}@h/\nnext ")
+    assert target.getvalue() == "token [redacted HF_TOKEN] and http://[redacted]@h/\n"
+    stream.flush()
+    assert target.getvalue().endswith("next ")
+
+
 def test_the_local_ray_head_listens_on_loopback_unless_told_otherwise(monkeypatch):
     for name in ("RLHF_BIND_HOST", "RLHF_RAY_AUTH_MODE"):
         monkeypatch.delenv(name, raising=False)
@@ -91,8 +148,98 @@ def test_the_local_ray_head_listens_on_loopback_unless_told_otherwise(monkeypatc
     assert "--dashboard-host=0.0.0.0" in exposed.command(8265)
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in exposed.environment()
     assert exposed.environment()["RAY_AUTH_MODE"] == "token"
-    monkeypatch.setenv("RLHF_RAY_AUTH_MODE", "disabled")  # still possible, but only when said
+    monkeypatch.setenv("RLHF_RAY_AUTH_MODE", "disabled")  # an open Jobs API on a network: refused
+    with pytest.raises(ValueError, match="RLHF_BIND_HOST=0.0.0.0 exposes the Ray head.*RLHF_RAY_AUTH_MODE=disabled"):
+        get_settings()
+    monkeypatch.setenv("RLHF_BIND_HOST", "127.0.0.1")
     assert get_settings().ray_auth_mode == "disabled"
+
+
+def head_record(temp_dir: Path) -> HeadRecord:
+    return HeadRecord(address="http://127.0.0.1:1", pid=NO_SUCH_PID, create_time=0.0, temp_dir=str(temp_dir),
+                      host=socket.gethostname(), owner_pid=NO_SUCH_PID, started_at="")
+
+
+def test_only_temp_folders_of_our_own_heads_are_ever_removed(tmp_path):
+    """A workspace's ray-head.json can be edited by any job: a head adopted from it removes its temp folder only
+    when that is one of ours (/tmp/rlhf-ray-*, a real folder of this user)."""
+    victim = tmp_path / "precious"
+    victim.mkdir()
+    (victim / "data").write_text("keep")
+    disguised = TEMP_PARENT / f"{TEMP_PREFIX}{uuid.uuid4().hex}"  # named like ours, pointing elsewhere
+    disguised.symlink_to(victim, target_is_directory=True)
+    ours = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_PARENT))
+    try:
+        for temp_dir in (victim, disguised, TEMP_PARENT / f"{TEMP_PREFIX}x" / ".." / victim.relative_to("/")):
+            LocalRayHead.adopt(head_record(temp_dir)).stop()
+            assert (victim / "data").read_text() == "keep", temp_dir
+        assert is_own_temp_dir(ours) and not is_own_temp_dir(disguised)
+        LocalRayHead.adopt(head_record(ours)).stop()
+        assert not ours.exists()
+    finally:
+        disguised.unlink(missing_ok=True)
+        shutil.rmtree(ours, ignore_errors=True)
+
+
+def test_results_are_refused_inside_the_workspace(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLHF_WORKSPACE_ROOT", str(tmp_path / "workspace"))
+    monkeypatch.setenv("RLHF_RESULT_STORAGE", str(tmp_path / "workspace" / "prefect-results"))
+    with pytest.raises(ValueError, match="inside RLHF_WORKSPACE_ROOT.*every stage job writes"):
+        get_settings()
+    monkeypatch.setenv("RLHF_RESULT_STORAGE", str(tmp_path / "results"))
+    assert get_settings().result_storage == str(tmp_path / "results")
+
+
+class HalfOpenJobsApi:
+    """An HTTP server that answers the client's version check, then accepts every other request and never
+    answers: a Jobs API behind a connection that died half-open."""
+
+    def __init__(self):
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        release = self.release = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/api/version":
+                    body = json.dumps({"version": "4", "ray_version": "2.60.0", "ray_commit": "x"}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                else:
+                    release.wait(120)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_jobs_api_that_stops_answering_fails_the_watch_instead_of_hanging_it(monkeypatch):
+    import logging
+
+    from tasks.run_stage import _LogForwarder, _watch
+
+    monkeypatch.setenv("RLHF_RAY_HTTP_TIMEOUT_S", "1")
+    api = HalfOpenJobsApi()
+    try:
+        client = job_client(api.address)
+        started = time.monotonic()
+        with pytest.raises(RayClusterError, match=f"lost the Ray cluster at {api.address}"):
+            _watch(client, api.address, "rlhf-job-1", deadline_s=600, poll_s=0.1, logger=logging.getLogger("test"),
+                   logs=_LogForwarder(client, "rlhf-job-1", logging.getLogger("test"), Redactor({}), None))
+        assert time.monotonic() - started < 10
+    finally:
+        api.close()
 
 
 def test_crash_retries_are_counted_since_the_run_was_last_scheduled_by_hand():
@@ -108,3 +255,21 @@ def test_crash_retries_are_counted_since_the_run_was_last_scheduled_by_hand():
     assert automatic_retries_in_a_row(history) == 2
     history += [at(7, Running()), at(8, Crashed()), at(9, by_hand)]
     assert automatic_retries_in_a_row(history) == 0
+
+
+def test_wandb_files_stay_outside_the_output_and_its_config_is_redacted(tmp_path, monkeypatch):
+    from stages.config import EvaluateConfig
+    from stages.tracking import StepLog
+
+    for name in ("WANDB_API_KEY", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    output = tmp_path / "output"
+    cfg = EvaluateConfig(save_path=str(output), use_wandb=True, remote_rm_url=f"http://u:{CANARY}@rm.internal/r")
+    log = StepLog("evaluate", cfg, total_steps=1)
+    log.log(1, {"step": 1, "reward": 0.5})
+    log.close()
+    written = {path: path.read_bytes() for path in (tmp_path / "output.wandb").rglob("*") if path.is_file()}
+    assert written and not output.exists()  # nothing of W&B in what is committed as the artifact
+    assert [path for path, data in written.items() if CANARY.encode() in data] == []

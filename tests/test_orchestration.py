@@ -6,6 +6,12 @@ field, reuse across shapes and runs, and the gate against the production policy.
 
 from __future__ import annotations
 
+import contextvars
+import os
+import re
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,6 +26,7 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
+from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 from prefect.testing.utilities import prefect_test_harness
 from pydantic import BaseModel
@@ -27,12 +34,14 @@ from pydantic import BaseModel
 from flows.full_rlhf import full_rlhf
 from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
-from infra.settings import get_settings
+from infra.settings import PROJECT_ROOT, get_settings
 from pipeline.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
 from stages.launch import writer_lock, writer_lock_path
-from tasks.promote import promote
+from tasks.promote import judge, promote
+from tasks.results import persisted
 from pipeline.identity import StageResult, resolve_config, stage_code_version, stage_key
-from tasks.run_stage import StageConfigError, StageError, StageTimeout, result_storage, stage_task, submission_id
+from tasks.run_stage import StageConfigError, StageError, StageTimeout, stage_task, submission_id
+from tcp_proxy import TcpProxy
 
 PIPELINE = "toy-pipe"
 
@@ -71,6 +80,7 @@ def env(tmp_path, monkeypatch, prefect_server, ray_address):
     monkeypatch.setenv("RLHF_RAY_ADDRESS", ray_address)
     monkeypatch.setenv("RLHF_RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("RLHF_WORKSPACE_ROOT", str(tmp_path / "workspace"))
+    monkeypatch.setenv("RLHF_RESULT_STORAGE", str(tmp_path / "results"))
     monkeypatch.setenv("RLHF_STAGE_MODULE_PREFIX", "tests.fake_stages")
     monkeypatch.setenv("RLHF_POLL_INTERVAL_S", "0.3")
     monkeypatch.setenv("RLHF_MAX_RETRIES", "1")
@@ -276,8 +286,9 @@ def test_running_attempt_is_reattached_not_duplicated(env):
 
 @flow(name="toy-promote")
 def promote_flow(policy: StageResult, report: StageResult, gate: PromotionGate, artifact_root: str):
-    persisted = promote.with_options(result_storage=result_storage(get_settings()))
-    return persisted(policy, report, gate, artifact_root=artifact_root)
+    options = persisted(get_settings())
+    decision = judge.with_options(**options)(policy, report, gate, artifact_root=artifact_root)
+    return promote.with_options(**options)(decision, report, pipeline=PIPELINE, artifact_root=artifact_root)
 
 
 def test_promote_moves_production_only_when_the_gate_passes(env):
@@ -315,7 +326,8 @@ def shape_runs(prefect_server, ray_address, tmp_path_factory):
     runs = {}
     with pytest.MonkeyPatch.context() as env:
         for name, value in {"RLHF_RAY_ADDRESS": ray_address, "RLHF_RAY_AUTH_MODE": "disabled",
-                            "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"), "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages",
+                            "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"), "RLHF_RESULT_STORAGE": str(tmp / "results"),
+                            "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages",
                             "RLHF_POLL_INTERVAL_S": "0.3", "RLHF_MAX_RETRIES": "0"}.items():  # fmt: skip
             env.setenv(name, value)
         env.delenv("RLHF_ARTIFACT_ROOT", raising=False)
@@ -382,3 +394,160 @@ def test_an_unchanged_run_reuses_every_stage_without_a_job(shape_runs):
     first = shape_runs["runs"]["dpo"]["state"].result()
     assert result.stages == {name: stage.model_copy(update={"reused": True}) for name, stage in first.stages.items()}
     assert not result.promotion.promoted and result.promotion.production_version == 1
+
+
+# ---------------------------------------------------------------------------------------------- what a run trusts
+
+def test_the_job_log_is_followed_not_fetched_whole_at_every_poll(env, monkeypatch):
+    """Every poll used to download the whole job log; now it arrives through Ray's log tail, and the whole log is
+    fetched once, at the end, to be sure nothing is missing."""
+    proxy = TcpProxy(("127.0.0.1", int(get_settings().ray_address.rsplit(":", 1)[1]))).start()
+    monkeypatch.setenv("RLHF_RAY_ADDRESS", proxy.url)
+    try:
+        state = run_toy(env, ToyConfig(value=14, steps=12))  # 12 step lines over 2.4 s, polled every 0.3 s
+    finally:
+        proxy.stop()
+    assert state.result().metrics["steps"] == 12
+    requests = b"".join(proxy.sent)
+    assert len(re.findall(rb"GET /api/jobs/[^ ]+/logs HTTP", requests)) == 1, "the whole log fetched more than once"
+    assert re.findall(rb"GET /api/jobs/[^ ]+/logs/tail HTTP", requests)
+    logs = flow_run_logs(state.state_details.flow_run_id, "toy: done")
+    steps = [line for line in logs.splitlines() if line.startswith("[toy] step ")]
+    assert [line.split()[2] for line in steps] == [f"{step}/12" for step in range(1, 13)]  # each once, in order
+
+
+def test_a_planted_pickle_result_is_never_loaded(env, tmp_path):
+    """A result file replaced by one that names pickle (what a job could plant where results live, for the next
+    retry to load) is refused by the storage every task reads its results through; the files are nowhere a job
+    writes."""
+    from prefect.results import ResultRecord, ResultRecordMetadata, resolve_result_storage
+    from prefect.serializers import PickleSerializer
+
+    from tasks.results import RefusedResult, persisted
+
+    run_toy(env, ToyConfig(value=15)).result()
+    results = Path(get_settings().result_storage)
+    files = [path for path in results.rglob("*") if path.is_file()]
+    assert files and not results.is_relative_to(get_settings().workspace_root)
+    storage = resolve_result_storage(persisted(get_settings())["result_storage"])
+    storage.read_path(str(files[0]))  # what the run wrote passes
+
+    marker = tmp_path / "planted-code-ran"
+    planted = ResultRecord(result=Planted(marker), metadata=ResultRecordMetadata(
+        serializer=PickleSerializer(), storage_key=str(files[0])))  # fmt: skip
+    for path in files:
+        path.write_bytes(planted.serialize())
+        with pytest.raises(RefusedResult, match="serializer 'pickle'"):
+            storage.read_path(str(path))
+    assert not marker.exists()
+
+
+class Planted:
+    """Unpickling it creates a file: it could run anything."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def flow_run_texts(flow_run_id) -> list[str]:
+    """What Prefect holds of a flow run that the run wrote: logs, artifacts, states of the run and its tasks."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        states = client.read_flow_run_states(flow_run_id)
+    return ([log.message for log in logs] + [str(a.data) + str(a.description) for a in artifacts]
+            + [str(s.message) for s in states] + [str(t.state.message) for t in task_runs if t.state])
+
+
+def test_a_canary_inside_a_reward_url_is_absent_from_everything_the_run_writes(env):
+    """Credentials in a reward endpoint's URL are refused by the plan, which names the field; neither the plan's
+    log and artifact, nor the failure, nor any file under the run's folders holds them."""
+    canary = f"canary-{uuid.uuid4().hex}"
+    url = f"http://alice:{canary}@127.0.0.1:9/score?token={canary}2"
+    config = load_pipeline_config("tiny", {"artifact_root": env["root"], "shape": "sft-rl",
+                                           "tiny_assets_dir": str(Path(env["root"]).parent / "tiny-assets"),
+                                           "rl": {"remote_rm_url": url}, "evaluate": {"remote_rm_url": url}})
+    state = full_rlhf(config, return_state=True)
+    assert state.is_failed() and "rl.remote_rm_url" in state.message and "credentials in the URL are refused" in (
+        state.message)  # fmt: skip
+    texts = flow_run_texts(state.state_details.flow_run_id)
+    assert any("python -m tests.fake_stages.rl" in text for text in texts)  # the plan was logged and shown
+    assert [text[:200] for text in texts if canary in text] == []
+    written = [path for path in Path(env["root"]).parent.rglob("*") if path.is_file() and canary.encode() in
+               path.read_bytes()]  # fmt: skip
+    assert written == []
+
+
+def test_of_two_concurrent_promotions_the_better_policy_stays_production(env):
+    """A weaker candidate, compared with an old production, finds production moved to a stronger policy by another
+    run before it could promote: it is evaluated again against that one, and loses."""
+    store = open_store(env["root"], "tiny")
+
+    def night(learning_rate: float, **gate):
+        config = load_pipeline_config("tiny", {
+            "artifact_root": env["root"], "tiny_assets_dir": str(Path(env["root"]).parent / "tiny-assets"),
+            "shape": "dpo", "dpo": {"learning_rate": learning_rate}, "gate": gate})  # fmt: skip
+        return full_rlhf(config, return_state=True).result()
+
+    old = night(1e-4)  # quality 0.1: production
+    strong = night(1e-3, min_accuracy_gain=100)  # quality 1.0, committed, held back by its own run's gate
+    assert store.get("dpo", "production").version == old.promotion.version == 1 and strong.promotion.version == 2
+
+    evaluations = Path(get_settings().workspace_root) / "tiny" / "evaluate"
+    before = set(evaluations.iterdir())
+
+    def the_other_run_promotes():  # while the weak night's first evaluation runs
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if [path for path in evaluations.iterdir() if path not in before and (path / "config.yaml").exists()]:
+                store.set_alias("dpo", "production", 2, expected=1)
+                return
+            time.sleep(0.01)
+
+    promoter = threading.Thread(target=the_other_run_promotes, daemon=True)
+    promoter.start()
+    weak = night(5e-4)  # quality 0.5: better than the old production, worse than the strong policy
+    promoter.join(timeout=10)
+    decision = weak.promotion
+    assert store.get("dpo", "production").version == 2
+    assert not decision.promoted and decision.version == 3 and decision.production_version == 2
+    assert any(line.startswith("FAIL accuracy") and "vs production v2" in line for line in decision.reasons)
+    compared = [store.get("evaluate", v).inputs["production_pretrain"].digest for v in store.versions("evaluate")[-2:]]
+    assert compared == [old.stages["dpo"].digest, strong.stages["dpo"].digest]  # evaluated again, against the new one
+
+
+def test_a_run_waiting_for_approval_is_rejected_from_the_command_line(env):
+    from prefect.settings import PREFECT_API_URL
+
+    config = load_pipeline_config("tiny", {
+        "artifact_root": env["root"], "tiny_assets_dir": str(Path(env["root"]).parent / "tiny-assets"),
+        "shape": "dpo", "gate": {"require_approval": True, "approval_timeout_s": 300}})  # fmt: skip
+    answered = {}
+
+    def answer_when_paused():  # as an operator does, from another shell
+        deadline = time.monotonic() + 300
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                paused = [run for run in client.read_flow_runs() if run.state_type == StateType.PAUSED]
+                if paused:
+                    answered["cli"] = subprocess.run(
+                        [sys.executable, "-m", "flows.approval", str(paused[0].id), "--reject", "--comment",
+                         "the reference answers better"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}, timeout=120)  # fmt: skip
+                    return
+                time.sleep(0.5)
+
+    # The thread sees this test's Prefect server (Prefect's settings live in a context variable).
+    answering = threading.Thread(target=contextvars.copy_context().run, args=(answer_when_paused,), daemon=True)
+    answering.start()
+    decision = full_rlhf(config, return_state=True).result().promotion
+    answering.join(timeout=30)
+    assert answered["cli"].returncode == 0 and "rejected" in answered["cli"].stdout, answered["cli"].stderr
+    assert not decision.promoted and decision.approval == "rejected: the reference answers better"
+    assert "production" not in open_store(env["root"], "tiny").aliases("dpo")

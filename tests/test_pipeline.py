@@ -9,8 +9,11 @@ The nights after it, on the same store (its policy is production now):
 - one preference row changed, and RL at a learning rate of about 0 (a policy no better than its SFT start): SFT is
   reused, the reward model, RL and the evaluation run again; the new policy is not promoted;
 - nothing changed: every stage is reused, no Ray job is submitted;
+- the evaluation's HTTP reward endpoint is down: the evaluation fails retryably and commits nothing; the next
+  night, the endpoint back, completes, and the whole store verifies;
 - the other shapes that start from SFT (RL with a reward function, DPO, KTO), a few steps each, on the same SFT.
-On the same Prefect server and Ray head, `python -m flows.run --rehearse` runs each GPU preset on CPU.
+On the same Prefect server and Ray head, `python -m flows.run --rehearse` runs each GPU preset on CPU; the RL job of
+the llama3-8b rehearsal is killed after its first checkpoint and resumes from it through the task's retry.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from infra.artifacts import open_store
 from infra.ray_cluster import LocalRayHead, job_client
 from infra.settings import PROJECT_ROOT, get_settings
 from pipeline.config import load_pipeline_config, policy_stage
+from conftest import free_port
 from faults import KillJobAfterCheckpoint
+from reward_server import RewardServer
 from pipeline.identity import stage_code_version
 from stages.config import STAGE_CONFIGS
 from stages.fields import Output, names_with
@@ -86,6 +91,7 @@ def resumed_run(tmp_path_factory):
             "RLHF_RAY_ADDRESS": head.address,
             "RLHF_RAY_AUTH_MODE": "disabled",
             "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"),
+            "RLHF_RESULT_STORAGE": str(tmp / "task-results"),
             "RLHF_MAX_RETRIES": "0",
             "RLHF_POLL_INTERVAL_S": "1",
             "RLHF_STAGE_DEADLINE_S": "1200",  # a stage that hangs fails the test instead of blocking it
@@ -213,7 +219,17 @@ def nights(resumed_run):
         "rl": {"actor_learning_rate": 1e-12, "max_samples": 32},  # one step that changes nothing
         "evaluate": {"max_samples": 64, "eval_n_samples_per_prompt": 0},
     })  # fmt: skip
-    return {"changed": run_night(config), "unchanged": run_night(config)}
+    nights = {"changed": run_night(config), "unchanged": run_night(config)}
+    dead = f"http://127.0.0.1:{free_port()}/get_reward"
+    nights["endpoint down"] = run_night(config.model_copy(update={"evaluate": config.evaluate.model_copy(
+        update={"remote_rm_url": dead})}))  # fmt: skip
+    endpoint = RewardServer()
+    try:
+        nights["endpoint back"] = run_night(config.model_copy(update={"evaluate": config.evaluate.model_copy(
+            update={"remote_rm_url": endpoint.url})}))  # fmt: skip
+    finally:
+        endpoint.close()
+    return nights
 
 
 def test_changed_preference_data_retrains_the_reward_model_and_what_follows(resumed_run, nights):
@@ -266,6 +282,22 @@ def test_an_unchanged_night_reuses_every_stage_and_submits_no_job(nights):
     assert night["seconds"] < changed["seconds"] / 3, (night["seconds"], changed["seconds"])
 
 
+def test_a_night_whose_reward_endpoint_is_down_fails_retryably_and_the_next_night_completes(nights):
+    down, back = nights["endpoint down"], nights["endpoint back"]
+    assert down["state"].is_failed() and down["jobs"] == 1  # the evaluation alone: everything else reused
+    message = down["state"].message
+    assert "stage evaluate: job" in message and "exit code 1" in message and "reward requests" in message, message
+    assert back["state"].is_completed(), back["state"].message
+    result = back["result"]
+    assert back["jobs"] == 1 and math.isfinite(result.stages["evaluate"].metrics["accuracy"])
+    store = open_store(result.artifact_root, "tiny")
+    # The failed evaluation committed nothing: the night after found every earlier version readable.
+    assert store.versions("evaluate") == [1, 2, 3] and result.stages["evaluate"].version == 3
+    done = subprocess.run([sys.executable, "-m", "infra.artifacts", "verify", result.artifact_root, "tiny"],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "FAILED" not in done.stdout and "UNREADABLE" not in done.stdout, done.stdout
+
+
 # A few steps each: these runs check that the shapes run end to end, not what they learn.
 SHAPES_FROM_SFT = {"sft-rl": {"rl": {"max_samples": 32}}, "sft-dpo": {"dpo": {"max_samples": 64}},
                    "sft-kto": {"kto": {"max_samples": 32}}}
@@ -307,15 +339,28 @@ GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
 
 @pytest.fixture(scope="module")
 def rehearsals(resumed_run):
-    """`python -m flows.run --preset <preset> --rehearse`, as a user runs it, on this module's server and head."""
+    """`python -m flows.run --preset <preset> --rehearse`, as a user runs it, on this module's server and head; the
+    RL job of the llama3-8b rehearsal is killed after its first checkpoint, and the task's retry resumes it."""
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    client = job_client(os.environ["RLHF_RAY_ADDRESS"])
     runs = {}
     for preset in GPU_PRESETS:
         root = resumed_run["tmp"] / "rehearsals" / preset
+        killer = None
+        if preset == "llama3-8b":
+            killer = KillJobAfterCheckpoint(resumed_run["tmp"] / "workspace", preset, "rl")
+            killer.start()
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "flows.run", "--preset", preset, "--rehearse", "--artifact_root",
-                               str(root)], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        runs[preset] = {"done": done, "seconds": time.monotonic() - started, "root": root}
+                               str(root)], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1800,
+                              env={**env, "RLHF_MAX_RETRIES": "1", "RLHF_RETRY_DELAY_S": "0"})  # fmt: skip
+        if killer is not None:
+            killer.stop()
+        rl_jobs = sorted((job for job in client.list_jobs() if job.metadata.get("pipeline") == preset
+                          and job.metadata.get("stage") == "rl"), key=lambda job: int(job.metadata["attempt"]))
+        runs[preset] = {"done": done, "seconds": time.monotonic() - started, "root": root,
+                        "killed": killer.killed_pid if killer else None,
+                        "rl_jobs": [job.status.value for job in rl_jobs]}
     return runs
 
 
@@ -345,3 +390,13 @@ def test_gpu_preset_rehearsed_on_cpu_end_to_end(rehearsals, preset):
         assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in logged
         for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
             assert logged.count(f"[rl] --{flag} has no effect on CPU") == 1
+
+
+def test_the_llama3_8b_rehearsal_resumes_its_killed_rl_job_from_the_checkpoint(rehearsals):
+    run = rehearsals["llama3-8b"]
+    assert run["done"].returncode == 0, run["done"].stdout[-6000:] + run["done"].stderr[-6000:]
+    assert run["killed"] is not None, "the RL job was never killed: no checkpoint before its end"
+    assert run["rl_jobs"] == ["FAILED", "SUCCEEDED"]
+    rl = open_store(str(run["root"] / "artifacts"), "llama3-8b").get("rl", 1)
+    assert rl.config["save_steps"] == 1  # the preset's interval, scaled to the rehearsal's two steps
+    assert rl.metrics["resumed_from_step"] == 1 and rl.metrics["steps"] == 2

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -19,9 +16,10 @@ from stages.rewards import (
     load_reward_source,
     parse_reward_output,
 )
-from stages.tiny import reward_func as tiny_reward
+from stages.errors import StageInputError
 
 from conftest import free_port
+from reward_server import RewardServer
 
 QUERIES = ["1 + 1 = ? Answer: 2", "2 + 2 = ? Answer: 5", "3 + 4 = ? Answer: 7", "0 + 0 = ? Answer: 1"]
 PROMPTS = ["1 + 1 = ?", "2 + 2 = ?", "3 + 4 = ?", "0 + 0 = ?"]
@@ -81,37 +79,6 @@ def test_reward_sources_are_parsed_from_the_flag(tmp_path):
         load_reward_source("reward.txt")
 
 
-class RewardServer:
-    """A real HTTP reward endpoint on 127.0.0.1 answering the tiny task's rule reward (optionally misbehaving)."""
-
-    def __init__(self, delay_s: float = 0.0, answer=None):
-        self.requests: list[int] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append(len(body["query"]))
-                time.sleep(delay_s)
-                rewards = tiny_reward(body["query"], body["prompts"], body["labels"]).tolist()
-                payload = json.dumps(answer if answer is not None else {"rewards": rewards}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/get_reward"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def servers():
     started: list[RewardServer] = []
@@ -162,3 +129,50 @@ def test_an_endpoint_answering_the_wrong_length_stops_the_stage(servers):
     with pytest.raises(RewardFunctionError, match=r"reward endpoint http://127.0.0.1:\d+/get_reward returned rewards "
                                                    r"of shape \(1,\) for 4 samples"):
         RemoteReward([wrong.url], timeout_s=5)(QUERIES, PROMPTS, LABELS)
+
+
+@pytest.mark.parametrize("misbehave", ["truncated", "not json"])
+def test_an_answer_cut_short_or_not_json_fails_over_to_the_next_endpoint(servers, misbehave):
+    broken, good = servers(misbehave=misbehave), servers()
+    batch = RemoteReward([broken.url, good.url], timeout_s=5, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    assert batch.rewards.tolist() == EXPECTED and not batch.failed.any()
+    assert broken.requests and sum(good.requests) == 4
+
+
+def test_an_answer_cut_short_everywhere_marks_the_samples_failed():
+    import http.client
+
+    from stages.rewards import RemoteReward as Remote
+
+    server = RewardServer(misbehave="truncated")
+    try:
+        batch = Remote([server.url], timeout_s=5, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    finally:
+        server.close()
+    assert batch.failed.all() and "IncompleteRead" in batch.errors[0]
+    assert issubclass(http.client.IncompleteRead, http.client.HTTPException)  # not an OSError: caught apart
+
+
+def test_endpoints_authenticate_with_a_header_from_a_variable_never_from_the_config(servers, monkeypatch):
+    secret = "Bearer s3cr3t-t0ken-for-rewards"
+    endpoint = servers(token=secret)
+    monkeypatch.setenv("REWARD_API_TOKEN", secret)
+    source = load_reward_source(endpoint.url, timeout_s=5, auth_env="REWARD_API_TOKEN")
+    assert source(QUERIES, PROMPTS, LABELS).rewards.tolist() == EXPECTED
+    assert endpoint.authorizations == [secret] and secret not in source.name
+    with pytest.raises(StageInputError, match="not set in this process's environment"):
+        load_reward_source(endpoint.url, auth_env="MISSING_API_TOKEN")
+    with pytest.raises(ValueError, match="name the variable as a secret"):
+        load_reward_source(endpoint.url, auth_env="REWARD_HEADER")  # its value would not be redacted
+    unauthenticated = load_reward_source(endpoint.url, timeout_s=5)
+    unauthenticated.backoff_base_s = 0.01
+    assert unauthenticated(QUERIES, PROMPTS, LABELS).failed.all()  # 401: counted as a failed request
+
+
+@pytest.mark.parametrize("url", ["http://user:CANARY-pw@127.0.0.1:1/r", "http://127.0.0.1:1/r?token=CANARY-tok",
+                                 "http://127.0.0.1:1/r,https://h/r?api_key=CANARY-key"])
+def test_urls_with_credentials_are_refused_without_showing_them(url):
+    with pytest.raises(ValueError, match="credentials in the URL are refused") as refused:
+        load_reward_source(url)
+    assert "CANARY" not in str(refused.value) and "--remote_rm_auth_env" in str(refused.value)
+    assert isinstance(refused.value, StageInputError)

@@ -172,6 +172,23 @@ def test_bad_data_fails_before_training_with_exit_code_2(stage, assets, tmp_path
     assert "Traceback" not in proc.stderr
 
 
+def test_a_flipped_byte_in_a_committed_model_stops_the_stage_before_any_rank_starts(assets, tmp_path):
+    """A model committed to a store as SFT's output, one byte of its weights flipped: the reward model that would
+    train from it exits 2 naming the file, before a rank starts or a checkpoint is written."""
+    from infra.artifacts import open_store
+
+    store = open_store(str(tmp_path / "artifacts"), "tiny")
+    sft = store.commit("sft", assets["model"], config={})
+    weights = Path(sft.uri.removeprefix("file://")) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    proc = run_stage("reward_model", "--pretrain", sft.uri.removeprefix("file://"), "--dataset", assets["pref_train"],
+                     "--save_path", tmp_path / "out", "--ckpt_path", tmp_path / "ckpt", expect_rc=2)  # fmt: skip
+    assert "--pretrain" in proc.stderr and "v0001/model.safetensors: sha256" in proc.stderr, proc.stderr
+    assert "ranks on" not in proc.stdout and not (tmp_path / "ckpt").exists()
+
+
 # ------------------------------------------------------------------ supervised stages: KTO, seeds, LoRA, failures
 
 KTO_FLAGS = ("--zero_stage", 1, "--save_steps", 50, "--logging_steps", 25)  # 100 steps of 16 samples
