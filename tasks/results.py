@@ -66,8 +66,13 @@ class CheckedReads:
         check_result_record(content, path)
         return content
 
-    def read_path(self, path: str) -> bytes:
-        content = super().read_path(path)
+    def read_path(self, path: str, _sync: bool | None = None):
+        # Prefect's result store calls read_path(..., _sync=True) (its filesystems dispatch sync/async on it); an
+        # override without the argument raised there, and Prefect took every result for missing: no retry ever
+        # came back Cached.
+        if _sync is False:
+            return self.aread_path(path)
+        content = super().read_path(path, _sync=True)
         check_result_record(content, path)
         return content
 

@@ -420,17 +420,19 @@ def test_a_planted_pickle_result_is_never_loaded(env, tmp_path):
     """A result file replaced by one that names pickle (what a job could plant where results live, for the next
     retry to load) is refused by the storage every task reads its results through; the files are nowhere a job
     writes."""
-    from prefect.results import ResultRecord, ResultRecordMetadata, resolve_result_storage
-    from prefect.serializers import PickleSerializer
+    from prefect.results import ResultRecord, ResultRecordMetadata, ResultStore, resolve_result_storage
+    from prefect.serializers import JSONSerializer, PickleSerializer
 
     from tasks.results import RefusedResult, persisted
 
-    run_toy(env, ToyConfig(value=15)).result()
+    result = run_toy(env, ToyConfig(value=15)).result()
     results = Path(get_settings().result_storage)
     files = [path for path in results.rglob("*") if path.is_file()]
     assert files and not results.is_relative_to(get_settings().workspace_root)
     storage = resolve_result_storage(persisted(get_settings())["result_storage"])
-    storage.read_path(str(files[0]))  # what the run wrote passes
+    # Read the way Prefect reads results when a retry looks for them: what the run wrote passes.
+    store = ResultStore(result_storage=storage, serializer=JSONSerializer(), cache_result_in_memory=False)
+    assert store.exists(files[0].name) and store.read(files[0].name).result == result
 
     marker = tmp_path / "planted-code-ran"
     planted = ResultRecord(result=Planted(marker), metadata=ResultRecordMetadata(
@@ -438,7 +440,8 @@ def test_a_planted_pickle_result_is_never_loaded(env, tmp_path):
     for path in files:
         path.write_bytes(planted.serialize())
         with pytest.raises(RefusedResult, match="serializer 'pickle'"):
-            storage.read_path(str(path))
+            store.read(path.name)
+        assert not store.exists(path.name)  # a retry takes it for missing and runs the task again
     assert not marker.exists()
 
 
