@@ -126,6 +126,16 @@ def _check_sampling(n: int, max_new_tokens: int, temperature: float, top_p: floa
         raise ValueError(f"generate needs temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
 
 
+def whole_prompt_prefill(max_model_len: int | None) -> dict:
+    """vLLM settings on CPU that never split a prompt's prefill over scheduler steps.
+
+    A split (chunked) prefill makes vLLM rewind the random generator of a seeded request, which a CPU generator
+    cannot do ("CPU Generator does not use offset"): any step whose prompts exceed the step's token budget would
+    crash. Without chunking every prompt is prefilled whole, so the step budget must hold the longest sequence.
+    """
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len or 0, 8192)}
+
+
 class VLLMEngine:
     """vLLM `LLM` with the engine core in this process (TP 1) or Ray workers in the placement group (TP > 1)."""
 
@@ -160,6 +170,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager or not use_gpu,
             enable_prefix_caching=enable_prefix_caching,
             worker_extension_cls="stages.weight_sync.VLLMWeightReceiver",
+            **({} if use_gpu else whole_prompt_prefill(max_model_len)),
         )
 
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,

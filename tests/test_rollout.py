@@ -234,6 +234,17 @@ def test_total_length_budget_caps_each_response(engine, model_dir, prompts):
     assert any(r.finish_reason == "length" for r in rollouts)
 
 
+@needs_vllm
+def test_seeded_sampling_works_when_a_call_holds_more_prompt_tokens_than_a_scheduler_step(vllm_engine, prompts):
+    """Over vLLM's 4096-token step budget a prompt's prefill used to be split, and vLLM then rewinds the seeded
+    request's generator, which a CPU generator cannot do: real prompt sets crashed the first rollout."""
+    many = [prompts[k % len(prompts)] + " " * (k % 32) for k in range(128)]  # ragged, up to ~60 tokens
+    rollouts = ray.get(vllm_engine.generate.remote(many, n=8, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=5))
+    assert len(rollouts) == 1024 and sum(len(r.prompt_ids) for r in rollouts) > 4096 * 4
+    again = ray.get(vllm_engine.generate.remote(many[:4], n=8, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=5))
+    assert [r.response_ids for r in again] == [r.response_ids for r in rollouts[:32]]  # the seeds still act
+
+
 def test_bad_backend_and_bundles_are_rejected(ray_local, model_dir):
     with pytest.raises(ValueError, match="rollout backend"):
         resolve_backend("sglang")
