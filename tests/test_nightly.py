@@ -274,3 +274,10 @@ def test_the_math_reward_checks_final_answers():
     prompts = ["Q: x. A:", "Q: y. A:", "Q: z. A:", "Q: w. A:", "Q: v. A:", "Q: u. A:"]
     labels = ["\\frac{1}{2}", "7", "1234", "so #### 8", "6", "3"]
     assert module.reward_func(queries, prompts, labels) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    # Equal as mathematics, not as text: math-verify's sympy comparison.
+    queries = ["Q: a. A: \\boxed{x^2+2x}", "Q: b. A: the answer is $0.5$", "Q: c. A: \\boxed{\\sqrt{4}}",
+               "Q: d. A: \\boxed{x^2}"]
+    labels = ["x(x+2)", "\\frac{1}{2}", "2", "x(x+2)"]
+    assert module.reward_func(queries, [q.split("A:")[0] + "A:" for q in queries], labels) == [1.0, 1.0, 1.0, 0.0]
+    # Where math-verify parses nothing, the text comparison stands in.
+    assert module.is_correct("Answer: (b)", "(b)") and not module.is_correct("Answer: (c)", "(b)")

@@ -1,18 +1,29 @@
 """Verifiable reward for math prompts (`--remote_rm_url configs/reward_funcs/math_answer.py`): 1.0 when the final
 answer of the response equals the label, else 0.0.
 
-The final answer is the content of the last \\boxed{...}, else what follows the last "Answer:", else the last
-number in the response. Answers compare equal after dropping spaces, `$`, `\\left`/`\\right` and a trailing period,
-or as numbers (3 == 3.0 == 3.00). Labels are strings or numbers; a label in GSM8K's form ("... #### 72") counts by
-its part after "####".
+Answers are compared by math-verify (the checker TRL and open-r1 use): it extracts the final answer (the last
+\\boxed{...}, else the last LaTeX or plain expression) and compares with sympy, so 1/2 == \\frac{1}{2} == 0.5 and
+x(x+2) == x^2+2x. Only where math-verify parses nothing from the label or the response does the comparison fall back
+to text: the last \\boxed{...}, else what follows the last "Answer:", else the last number, compared after dropping
+spaces, `$`, `\\left`/`\\right` and a trailing period, or as numbers. Labels are strings or numbers; a label in
+GSM8K's form ("... #### 72") counts by its part after "####".
 """
 
 from __future__ import annotations
 
 import re
+import threading
+
+from math_verify import parse, verify
 
 ANSWER = re.compile(r"Answer:\s*(.+)", re.IGNORECASE)
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+TIMEOUT_S = 5  # per parse and per comparison: sympy can take very long on adversarial expressions
+
+
+def _timeout() -> int | None:
+    # math-verify times out with SIGALRM, which exists only in the main thread.
+    return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
 def _last_boxed(text: str) -> str | None:
@@ -39,7 +50,6 @@ def final_answer(response: str) -> str | None:
 
 
 def _normal(text: str) -> str:
-    text = str(text).split("####")[-1]
     for noise in ("\\left", "\\right", "$", " ", "\\!", "\\,"):
         text = text.replace(noise, "")
     return text.rstrip(".").strip()
@@ -52,7 +62,7 @@ def _number(text: str) -> float | None:
         return None
 
 
-def same_answer(answer: str, label: str) -> bool:
+def same_text_answer(answer: str, label: str) -> bool:
     a, b = _normal(answer), _normal(label)
     if a == b:
         return True
@@ -60,10 +70,20 @@ def same_answer(answer: str, label: str) -> bool:
     return x is not None and y is not None and abs(x - y) < 1e-6
 
 
+def is_correct(response: str, label: str) -> bool:
+    label = str(label).split("####")[-1].strip()
+    timeout = _timeout()
+    gold = parse(label if "$" in label or "\\(" in label else f"${label}$", parsing_timeout=timeout)
+    predicted = parse(response, parsing_timeout=timeout)
+    if gold and predicted:
+        return bool(verify(gold, predicted, timeout_seconds=timeout))
+    answer = final_answer(response)
+    return answer is not None and same_text_answer(answer, label)
+
+
 def reward_func(queries: list[str], prompts: list[str], labels: list[str]) -> list[float]:
     rewards = []
     for query, prompt, label in zip(queries, prompts, labels, strict=True):
         response = query[len(prompt):] if query.startswith(prompt) else query
-        answer = final_answer(response)
-        rewards.append(1.0 if answer is not None and same_answer(answer, label) else 0.0)
+        rewards.append(1.0 if is_correct(response, label) else 0.0)
     return rewards
