@@ -107,6 +107,11 @@ def compute_kl(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
     return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
+def sequence_kl(kl: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's KL as OpenRLHF logs it and feeds its KL controller: the mean over its action tokens, [B]."""
+    return masked_mean(kl, mask, dim=-1)
+
+
 def last_action_index(mask: Tensor) -> Tensor:
     """Index of the last set position of each row of ``mask`` ([B, T] -> [B]); 0 for an empty row."""
     positions = torch.arange(mask.shape[-1], device=mask.device)
@@ -116,7 +121,7 @@ def last_action_index(mask: Tensor) -> Tensor:
 def kl_penalized_rewards(scalar_reward: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
     """Token rewards r_t = -beta * kl_t on action tokens, plus the scalar reward on the last action token.
 
-    [B], [B, T], [B, T] -> [B, T]; zero at masked positions. Clip the scalar reward before calling.
+    [B], [B, T], [B, T] -> [B, T]; zero at masked positions.
     """
     action = mask.bool()
     rewards = torch.where(action, -beta * kl.float(), 0.0)
@@ -200,26 +205,26 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
 
 
 @torch.no_grad()
-def group_advantages(rewards: Tensor, n_samples_per_prompt: int, estimator: str, std_norm: bool = True) -> Tensor:
+def group_advantages(rewards: Tensor, n_samples_per_prompt: int, estimator: str) -> Tensor:
     """Per-sample advantage from the other samples of the same prompt, [B] -> [B].
 
-    The n samples of one prompt are contiguous. group_norm (GRPO): (R - mean) / (unbiased std + 1e-9), or R - mean
-    with ``std_norm=False``; rloo: R_i - mean of the other n - 1; dr_grpo and reinforce_baseline: R - mean.
+    The n samples of one prompt are contiguous. group_norm (GRPO): (R - mean) / (unbiased std + 1e-9), always (as
+    in OpenRLHF, ``--no_advantage_std_norm`` does not reach the group); rloo: R_i - mean of the other n - 1;
+    dr_grpo and reinforce_baseline: R - mean.
     """
     if estimator not in GROUP_ESTIMATORS:
         raise ValueError(f"advantage_estimator must be one of {GROUP_ESTIMATORS} here, got {estimator!r}")
     n = n_samples_per_prompt
     if n < 1 or rewards.numel() % n != 0:
         raise ValueError(f"n_samples_per_prompt={n} does not divide the {rewards.numel()} rewards into groups")
-    needs_two = estimator == "rloo" or (estimator == "group_norm" and std_norm)
-    if needs_two and n < 2:
+    if estimator in ("rloo", "group_norm") and n < 2:
         raise ValueError(f"advantage_estimator {estimator!r} needs n_samples_per_prompt >= 2, got {n}")
     groups = rewards.float().reshape(-1, n)
     group_mean = groups.mean(dim=-1, keepdim=True)
     if estimator == "rloo":
         leave_one_out_mean = (groups.sum(dim=-1, keepdim=True) - groups) / (n - 1)
         advantages = groups - leave_one_out_mean
-    elif estimator == "group_norm" and std_norm:
+    elif estimator == "group_norm":
         advantages = (groups - group_mean) / (groups.std(dim=-1, keepdim=True, unbiased=True) + GROUP_STD_EPS)
     else:
         advantages = groups - group_mean
@@ -254,11 +259,14 @@ def compute_advantages(
     gamma: float = 1.0,
     lambd: float = 0.95,
     std_norm: bool = True,
+    reward_clip_range: tuple[float, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Token advantages and returns for one rollout batch, ([B, T], [B, T]); 0 at masked positions.
 
-    ``scalar_rewards`` [B] are the (clipped, penalised) sequence rewards, ``kl`` [B, T] the per-token KL to the
+    ``scalar_rewards`` [B] are the (length-penalised) sequence rewards, ``kl`` [B, T] the per-token KL to the
     reference, used as reward shaping with coefficient ``beta`` (leave it None when the KL is in the loss).
+    ``reward_clip_range`` clips the scalar reward after the group baseline and before the KL is added (OpenRLHF's
+    compute_reward order).
 
     - gae: GAE over the shaped rewards with the critic's ``values``; returns = A + V.
     - reinforce: returns G = discounted sum of the shaped rewards; A = G.
@@ -276,8 +284,10 @@ def compute_advantages(
         kl = torch.zeros(mask.shape, device=mask.device)
 
     if estimator in GROUP_ESTIMATORS:
-        scalar_rewards = group_advantages(scalar_rewards, n_samples_per_prompt, estimator, std_norm)
+        scalar_rewards = group_advantages(scalar_rewards, n_samples_per_prompt, estimator)
         gamma = 1.0
+    if reward_clip_range is not None:
+        scalar_rewards = scalar_rewards.clamp(*reward_clip_range)
     token_rewards = kl_penalized_rewards(scalar_rewards, kl, mask, beta)
 
     if estimator == "gae":
@@ -324,6 +334,30 @@ def policy_loss(
         objective = torch.where(advantages < 0, torch.max(objective, dual_clip * advantages), objective)
     clip_mask = (clipped_surrogate < surrogate).float()
     return -objective, clip_mask
+
+
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    eps_clip_low: float = 0.2,
+    eps_clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GSPO's clipped surrogate: one importance ratio per sequence, s_i = exp(mean over its action tokens of
+    logp - old_logp), on every action token; then the PPO clip as in policy_loss. -> (loss_t, clip_mask), [B, T].
+    Aggregate with aggregate_sequence_loss."""
+    log_ratio = (logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sequence_log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
+    return policy_loss(sequence_log_ratio.expand_as(log_ratio), torch.zeros_like(log_ratio), advantages,
+                       eps_clip_low, eps_clip_high, dual_clip)
+
+
+def aggregate_sequence_loss(loss_t: Tensor, mask: Tensor, num_sequences: float) -> Tensor:
+    """Sequence mean: each sequence's token-mean loss, summed, over the ``num_sequences`` of the whole optimizer
+    step (every micro-batch on every rank), so accumulation gives the same gradient however the step is split."""
+    return masked_mean(loss_t, mask, dim=-1).sum() / max(float(num_sequences), 1.0)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None = 0.5) -> Tensor:

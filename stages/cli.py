@@ -9,6 +9,7 @@ unknown flags, invalid values, impossible combinations and unset required inputs
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
 import types
 from typing import Any, Literal, Union, get_args, get_origin
@@ -115,6 +116,11 @@ def parse_stage_args(stage: str, argv: list[str] | None = None, *, require_input
         raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGE_CONFIGS)}")
     model_cls = STAGE_CONFIGS[stage]
     parser = build_parser(model_cls)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--use_wandb" in argv[:-1] and not argv[argv.index("--use_wandb") + 1].startswith("--"):
+        # OpenRLHF's --use_wandb takes the API key; here it is a switch, and the key itself is never echoed.
+        parser.error("--use_wandb takes no value here: put the W&B key in WANDB_API_KEY (a key given as a flag "
+                     "would reach logs, plans and run parameters)")
     flags = vars(parser.parse_args(argv))
     config = flags.pop("config")
     values: dict[str, Any] = {}

@@ -129,6 +129,10 @@ class StageConfig(StrictModel):
     def _resolve(self) -> None:
         """Fill values whose default depends on other fields."""
 
+    def notes(self) -> list[str]:
+        """Where these settings act otherwise than the same flags in OpenRLHF, and why: said once in the log."""
+        return []
+
     def _problems(self) -> list[str]:
         problems = []
         if self.input_template is not None:
@@ -312,6 +316,12 @@ class PromptConfig(StageConfig):
         "'Bearer <token>'; credentials in --remote_rm_url itself are refused",
     )
     reward_pretrain: ScorerPath = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
+    value_head_prefix: str = Field(
+        "score", pattern=r"^[A-Za-z_][\w.]*$",
+        description="name of the value head's weights in the reward model (and a critic started from it), as "
+        "OpenRLHF names it; a value_head_prefix in the model's config.json wins. A reward model without trained "
+        "weights under that name is refused",
+    )
     normalize_reward: bool = Field(
         False,
         description="standardise reward-model scores with the mean/std stored in the reward model's config.json "
@@ -511,7 +521,8 @@ class RLConfig(TrainingConfig, PromptConfig):
     )
     n_samples_per_prompt: int | None = Field(
         None, ge=1,
-        description="responses sampled per prompt; unset: 8 for group_norm, rloo, dr_grpo, reinforce_baseline, else 1",
+        description="responses sampled per prompt; unset: 8 for group_norm, rloo, dr_grpo, reinforce_baseline (where "
+        "OpenRLHF's default of 1 is refused), else 1",
     )
     temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts (must be > 0)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling probability mass of rollouts")
@@ -524,9 +535,12 @@ class RLConfig(TrainingConfig, PromptConfig):
         "group_norm (GRPO), dr_grpo",
     )
     no_advantage_std_norm: bool = Field(
-        False, description="normalise advantages by their mean only, without dividing by the std",
+        False, description="whiten gae, reinforce and reinforce_baseline advantages by the batch mean only, without "
+        "dividing by the std; no effect on group_norm (always ÷ group std), rloo and dr_grpo",
     )
-    reward_clip_range: tuple[float, float] = Field((-10.0, 10.0), description="clip scalar rewards to [low, high]")
+    reward_clip_range: tuple[float, float] = Field(
+        (-10.0, 10.0), description="clip scalar rewards to [low, high], after the group baseline and length penalties",
+    )
     overlong_buffer_len: int | None = Field(
         None, ge=1, description="DAPO overlong penalty: tokens before --generate_max_len where the penalty starts",
     )
@@ -552,6 +566,10 @@ class RLConfig(TrainingConfig, PromptConfig):
     dual_clip: float | None = Field(
         None, gt=1, description="dual-clip PPO bound c > 1 for negative advantages; unset: off",
     )
+    policy_loss_type: Literal["ppo", "gspo"] = Field(
+        "ppo", description="ppo: token ratios, loss averaged over the step's tokens; gspo: one ratio per sequence "
+        "(exp of its mean token log-ratio), loss averaged per sequence then over the step's sequences",
+    )
     entropy_loss_coef: float | None = Field(
         None, ge=0,
         description="subtract coef × token entropy from the actor loss; unset: entropy is not computed, 0: logged only",
@@ -573,8 +591,8 @@ class RLConfig(TrainingConfig, PromptConfig):
         "it the stage's output instead of the last one",
     )
     drift_max_kl: float = Field(
-        10.0, gt=0,
-        description="training guard: warn when the mean sequence KL to the reference exceeds this (nats)",
+        1.0, gt=0,
+        description="training guard: warn when the KL to the reference (token mean, as logged) exceeds this (nats)",
     )
     drift_max_truncated_fraction: float = Field(
         0.5, gt=0, le=1, description="training guard: warn when more than this fraction of responses hit the length cap",
@@ -635,7 +653,20 @@ class RLConfig(TrainingConfig, PromptConfig):
 
     def _resolve(self) -> None:
         if self.n_samples_per_prompt is None:
-            self.n_samples_per_prompt = 8 if self.advantage_estimator in GROUP_ESTIMATORS else 1
+            # Into __dict__: the field stays out of model_fields_set, which is how notes() tells it was unset.
+            self.__dict__["n_samples_per_prompt"] = 8 if self.advantage_estimator in GROUP_ESTIMATORS else 1
+
+    def notes(self) -> list[str]:
+        notes = []
+        estimator = self.advantage_estimator
+        if "n_samples_per_prompt" not in self.model_fields_set and estimator in GROUP_ESTIMATORS:
+            notes.append(f"--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator {estimator} "
+                         "(OpenRLHF's default of 1 leaves no group to compare with, and OpenRLHF refuses it)")
+        if self.no_advantage_std_norm and estimator in ("group_norm", "rloo", "dr_grpo"):
+            notes.append(f"--no_advantage_std_norm has no effect with --advantage_estimator {estimator}: as in "
+                         "OpenRLHF it only changes the batch whitening of gae, reinforce and reinforce_baseline"
+                         + (" (group_norm always divides by the group's std)" if estimator == "group_norm" else ""))
+        return notes
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
@@ -699,10 +730,6 @@ class RLConfig(TrainingConfig, PromptConfig):
             problems.append(
                 f"--advantage_estimator {estimator} needs --n_samples_per_prompt >= 2 (its baseline is the other "
                 f"samples of the same prompt), got {self.n_samples_per_prompt}"
-            )
-        if self.no_advantage_std_norm and estimator in ("rloo", "dr_grpo"):
-            problems.append(
-                f"--no_advantage_std_norm has no effect with --advantage_estimator {estimator} (no std division there)"
             )
         if self.remote_rm_url and self.reward_pretrain:
             problems.append(

@@ -34,7 +34,7 @@ from stages import data
 from stages.data import validate_prompt_rows as validate_rows
 from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
-from stages.launch import note_cpu_limits, stage_main
+from stages.launch import note_limits, stage_main
 from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
 from stages.roles import RewardModelWorker
@@ -174,7 +174,7 @@ def run(cfg) -> dict[str, Any]:
                                          prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
     init_ray()
     device = cluster_device(cfg.device)
-    note_cpu_limits("evaluate", cfg, device)
+    note_limits("evaluate", cfg, device)
     bundles = group_bundles("evaluate", cfg)
     bundle = bundle_resources("evaluate", device, sum(bundles.values()), ray.cluster_resources().get("CPU", 1))
     reward_group = None

@@ -44,7 +44,7 @@ def run_rank_group(stage: str, worker_cls: type, cfg, validate: Callable[[Any, s
             print(f"[{stage}] --num_nodes {cfg.num_nodes} × --num_gpus_per_node {cfg.num_gpus_per_node} = "
                   f"{cfg.world_size} ranks ignored: the launcher started {world_size}", flush=True)
         if rank == 0:
-            note_cpu_limits(stage, cfg, device)
+            note_limits(stage, cfg, device)
         start_step = claim_checkpoints(stage, cfg, write=rank == 0) if cfg.ckpt_path else 0
         worker = worker_cls(rank, world_size, device)
         worker.setup(cfg.model_dump(), config_cls)
@@ -52,7 +52,7 @@ def run_rank_group(stage: str, worker_cls: type, cfg, validate: Callable[[Any, s
     start_step = claim_checkpoints(stage, cfg) if cfg.ckpt_path else 0
     init_ray()
     device = cluster_device(cfg.device)
-    note_cpu_limits(stage, cfg, device)
+    note_limits(stage, cfg, device)
     group = ActorGroup(worker_cls, cfg.world_size, device, name=stage, threads=cpu_threads(cfg.num_gpus_per_node))
     try:
         validate_sources(cfg, validate)
@@ -64,11 +64,11 @@ def run_rank_group(stage: str, worker_cls: type, cfg, validate: Callable[[Any, s
         group.shutdown()
 
 
-def note_cpu_limits(stage: str, cfg, device: str) -> None:
-    """Say once which flags of `cfg` cannot act on this device, and why (the fields' GpuOnly declarations)."""
-    if device == "cpu":
-        for note in cpu_notes(cfg):
-            print(f"[{stage}] {note}", flush=True)
+def note_limits(stage: str, cfg, device: str) -> None:
+    """Say once which flags of `cfg` cannot act on this device, and why (the fields' GpuOnly declarations), and
+    where its settings act otherwise than the same flags in OpenRLHF (`cfg.notes()`)."""
+    for note in (cpu_notes(cfg) if device == "cpu" else []) + cfg.notes():
+        print(f"[{stage}] {note}", flush=True)
 
 
 def writer_lock_path(save_path: str, ckpt_path: str | None) -> Path:

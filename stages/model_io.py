@@ -11,6 +11,7 @@ transformers is imported by the functions that load models: resolving a path cos
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -218,22 +219,66 @@ def load_causal_lm(
 
 
 def load_value_model(
-    path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None, *,
+    value_head_prefix: str = "score", trained_head: bool = False,
 ) -> PreTrainedModel:
     """Scalar-head model (reward model or critic): AutoModelForSequenceClassification with num_labels=1.
 
-    The head is freshly initialised when `path` holds a plain causal LM. pad_token_id is set in the config
-    because sequence classifiers score the last non-pad token and refuse batches without it.
+    The head's weights are read from the checkpoint under the model class's own head name, else under
+    `value_head_prefix` (or the config's `value_head_prefix`, as OpenRLHF saves it). With neither, a model that is
+    about to be trained starts from a fresh head and says so; `trained_head` (a frozen reward model) refuses it:
+    scores from a random head would make the whole RL run chase noise. pad_token_id is set in the config because
+    sequence classifiers score the last non-pad token and refuse batches without it.
     """
     from transformers import AutoModelForSequenceClassification
 
     local = resolve_model_path(path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        local, num_labels=1, dtype=dtype, attn_implementation=attn_implementation
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        local, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
     )
+    missing = sorted(loading["missing_keys"])
+    if missing:
+        prefix = getattr(model.config, "value_head_prefix", None) or value_head_prefix
+        _load_head_under(model, local, missing, prefix, sorted(loading["unexpected_keys"]), path, trained_head)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(local).pad_token_id
     return model
+
+
+def _load_head_under(model, local: str, missing: list[str], prefix: str, unexpected: list[str], path,
+                     trained_head: bool) -> None:
+    """Fill the head weights the class did not find (`missing`, e.g. score.weight) from `<prefix>.<same suffix>`."""
+    from safetensors import safe_open
+
+    sources = {key: f"{prefix}.{key.split('.', 1)[1]}" for key in missing if "." in key}
+    if len(sources) == len(missing) and all(source in unexpected for source in sources.values()):
+        wanted = set(sources.values())
+        found: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(local).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as weights:
+                found.update({name: weights.get_tensor(name) for name in wanted & set(weights.keys())})
+        params = dict(model.named_parameters())
+        heads = [params[key] for key in sources]
+        if any(hasattr(param, "ds_id") for param in heads):  # partitioned by ZeRO-3 while loading: gather to write
+            from deepspeed.zero import GatheredParameters
+
+            gathered = GatheredParameters(heads, modifier_rank=0)
+        else:
+            gathered = contextlib.nullcontext()
+        with gathered, torch.no_grad():
+            for key, source in sources.items():
+                params[key].data.copy_(found[source].reshape(params[key].shape))
+        print(f"value model {path}: head {', '.join(missing)} read from {', '.join(sources.values())}", flush=True)
+        return
+    if trained_head:
+        raise StageInputError(
+            f"reward model {path} has no trained value head: {', '.join(missing)} missing from its weights, and no "
+            f"{prefix}.* either (--value_head_prefix {prefix}); weights the model did not use: "
+            f"{', '.join(unexpected[:8]) or 'none'}. Name its head with --value_head_prefix, or train one with "
+            "stages.reward_model"
+        )
+    print(f"value model {path}: no trained head in its weights ({', '.join(missing)}): training starts from a fresh "
+          "one", flush=True)
 
 
 def save_hf(

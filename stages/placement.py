@@ -37,6 +37,14 @@ def placement_plan(cfg) -> dict[str, list[str]]:
     return plan
 
 
+def models_take_turns(cfg, device: str) -> bool:
+    """Whether the RL models run one after another rather than side by side: on CPU every model shares the same
+    cores (each gets all of them in its turn); with --colocate_all_models every model shares the same GPUs, so
+    the phases take turns as in OpenRLHF (generate, engines asleep, reward, reference, critic, actor) instead of
+    holding every model's activations at once."""
+    return device == "cpu" or cfg.colocate_all_models
+
+
 def engine_bundles(cfg) -> int:
     return cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
 

@@ -33,7 +33,7 @@ from stages import algorithms as algo
 from stages import engine as ds
 from stages.distributed import cluster_device, init_ray
 from stages.errors import StageInputError
-from stages.launch import note_cpu_limits, stage_main
+from stages.launch import note_limits, stage_main
 from stages.rewards import RewardBatch, reward_source_of
 from stages.roles import Roles
 from stages.rollout import Rollout, generate_across
@@ -124,6 +124,8 @@ def collect_rollouts(cfg, roles: Roles, stream: PromptStream, scorer: Scorer, st
                                        max_new_tokens=cfg.generate_max_len, temperature=cfg.temperature,
                                        top_p=cfg.top_p, max_total_len=cfg.max_len)
         labels = [prompts[i // n]["label"] for i in range(len(rollouts))]
+        if cfg.vllm_enable_sleep and scorer.reward_group is not None:
+            roles.engines_call("sleep")  # the reward model scores on the GPUs the engines free
         with timer.phase("reward"):
             rewards = scorer(rollouts, labels)
         if bool(rewards.failed.all()):
@@ -151,8 +153,7 @@ def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: 
                                         cfg.overlong_penalty_factor)
     if cfg.stop_properly_penalty_coef is not None:
         rewards = algo.truncation_penalty(rewards, truncated, cfg.stop_properly_penalty_coef)
-    low, high = cfg.reward_clip_range
-    return rewards.clamp(low, high)
+    return rewards  # clipped after the group baseline, in compute_advantages
 
 
 # ----------------------------------------------------------------------------- one step
@@ -206,7 +207,7 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
         experience["advantages"], experience["returns"] = algo.compute_advantages(
             cfg.advantage_estimator, reward, mask, n_samples_per_prompt=cfg.n_samples_per_prompt,
             kl=kl if in_reward else None, beta=kl_ctl.value if in_reward else 0.0, values=values, gamma=cfg.gamma,
-            lambd=cfg.lambd, std_norm=not cfg.no_advantage_std_norm,
+            lambd=cfg.lambd, std_norm=not cfg.no_advantage_std_norm, reward_clip_range=cfg.reward_clip_range,
         )
         if values is not None:
             experience["old_values"] = values
@@ -221,7 +222,7 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
         **{f"reward_{key}": value for key, value in reward_batch.extra_logs.items()},
     }
     if "old_logp" in experience:  # else the training forward measures it
-        stats["kl"] = float(algo.masked_sum(kl, mask) / len(rollouts))
+        stats["kl"] = float(algo.sequence_kl(kl, mask).mean())
     return experience, stats
 
 
@@ -230,14 +231,14 @@ def train_on_experience(cfg, roles: Roles, experience: dict[str, torch.Tensor], 
     """`max_epochs` passes of optimizer steps over the experience; returns (mean stats, whether the actor moved).
 
     The actor's `kl_sum` (KL measured in its training forward when no separate log-prob pass ran) comes back as
-    `kl`, the mean sequence KL, like make_experience's.
+    `kl`, the mean over sequences of each one's token-mean KL, like make_experience's.
     """
     critic = roles.get("critic")
     train_actor = not (cfg.freezing_actor_steps > 0 and step < cfg.freezing_actor_steps)
     trained = ([critic] if critic is not None else []) + ([roles.actor] if train_actor else [])
     actor_keys = tuple(key for key in ACTOR_KEYS if key in experience)
     jobs = {id(group): (CRITIC_KEYS, {}) for group in trained if group is critic}
-    jobs[id(roles.actor)] = (actor_keys, {"kl_coef": kl_coef})
+    jobs[id(roles.actor)] = (actor_keys, {"kl_coef": kl_coef, "step_sequences": None})  # None: the step's count
     totals: dict[str, float] = {}
     with timer.phase("training"):
         if roles.sequential or (cfg.deepspeed_enable_sleep and gpu):
@@ -268,6 +269,8 @@ def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tens
             refs = []
             for group in groups:
                 keys, kwargs = jobs[id(group)]
+                if "step_sequences" in kwargs:
+                    kwargs = {**kwargs, "step_sequences": len(chunk)}
                 step_batch = {key: experience[key][chunk] for key in keys}
                 refs += group.run_sharded_async("train_step", split_rows(step_batch, group.world_size),
                                                 step_tokens=step_tokens, **kwargs)
@@ -343,7 +346,7 @@ def run(cfg) -> dict[str, Any]:
     start_step = ds.claim_checkpoints("rl", cfg) if cfg.ckpt_path else 0
     init_ray()
     device = cluster_device(cfg.device)
-    note_cpu_limits("rl", cfg, device)
+    note_limits("rl", cfg, device)
     parts["ray"] = time.perf_counter() - started
     placed = time.perf_counter()
     cfg.pretrain = resolve_model_path(cfg.pretrain)  # rank actors and engines then share one local copy

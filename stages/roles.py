@@ -18,7 +18,8 @@ from stages import lora
 from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.errors import StageInputError
-from stages.placement import ENGINES, bundle_resources, describe, engine_bundles, group_bundles, placement_plan
+from stages.placement import (ENGINES, bundle_resources, describe, engine_bundles, group_bundles, models_take_turns,
+                              placement_plan)
 from stages.sequences import micro_batches
 
 
@@ -129,13 +130,15 @@ class PolicyWorker(TrainedRole):
         self.engine.eval()
         return sequence_log_probs(self.engine, batch, self.cfg)
 
-    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float, kl_coef: float) -> dict[str, float]:
+    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float, step_sequences: int,
+                   kl_coef: float) -> dict[str, float]:
         """One optimizer step over this rank's share of the step's samples (micro-batches accumulate).
 
         Losses are token sums divided by `step_tokens`, the action tokens of the whole optimizer step over all
-        ranks: a global token mean however the step is split. Without `old_logp` in the shard (one optimizer step
+        ranks: a global token mean however the step is split (GSPO's policy loss: per-sequence means over the
+        step's `step_sequences`). Without `old_logp` in the shard (one optimizer step
         per rollout) the rollout policy is the current one: its log-probs are this forward's, detached, and the
-        KL to the reference is measured here (`kl_sum`, summed over sequences).
+        KL to the reference is measured here (`kl_sum`: the sum over sequences of each one's token-mean KL).
         """
         cfg = self.cfg
         self.engine.train()
@@ -148,8 +151,14 @@ class PolicyWorker(TrainedRole):
             logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
                                              with_entropy=cfg.entropy_loss_coef is not None)
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
-            loss_t, clipped = algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high, cfg.dual_clip)
-            policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
+            if cfg.policy_loss_type == "gspo":
+                loss_t, clipped = algo.gspo_policy_loss(logp, old_logp, micro["advantages"], mask, eps_low, eps_high,
+                                                        cfg.dual_clip)
+                policy_loss = algo.aggregate_sequence_loss(loss_t, mask, step_sequences)
+            else:
+                loss_t, clipped = algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high,
+                                                   cfg.dual_clip)
+                policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
             loss = policy_loss
             if cfg.use_kl_loss:
                 kl_loss = algo.aggregate_token_loss(algo.compute_kl(logp, micro["ref_logp"], cfg.kl_estimator),
@@ -158,7 +167,7 @@ class PolicyWorker(TrainedRole):
                 totals["kl_loss"] = totals.get("kl_loss", 0.0) + kl_loss.item()
             if "old_logp" not in micro and cfg.uses_reference:
                 kl = algo.compute_kl(logp.detach(), micro["ref_logp"], cfg.kl_estimator)
-                totals["kl_sum"] = totals.get("kl_sum", 0.0) + float(algo.masked_sum(kl, mask))
+                totals["kl_sum"] = totals.get("kl_sum", 0.0) + float(algo.sequence_kl(kl, mask).sum())
             if cfg.entropy_loss_coef is not None:
                 entropy = algo.aggregate_token_loss(entropy_t, mask, step_tokens)
                 loss = loss - cfg.entropy_loss_coef * entropy
@@ -238,7 +247,8 @@ class CriticWorker(TrainedRole):
         self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
                                              micro_batch_size=cfg.micro_train_batch_size)
         path = resolve_model_path(cfg.critic_init)
-        model = ds.load_for_zero(lambda: load_value_model(path, dtype=_dtype(cfg)), self.ds_config)
+        model = ds.load_for_zero(
+            lambda: load_value_model(path, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix), self.ds_config)
         normalization = reward_normalization(model.config) if cfg.normalize_reward else None
         self.model = TokenValueModel(model, normalization)
 
@@ -290,15 +300,19 @@ class ReferenceWorker(RankWorker):
 
 
 class RewardModelWorker(RankWorker):
-    """One rank of the reward model. It scores the token ids of prompt + response (+ eos), so it must share the
+    """One rank of the reward model. It scores the token ids of prompt + response + eos, so it must share the
     policy's tokenizer, as a reward model trained from the SFT checkpoint does."""
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_value_model, resolve_model_path
+        from stages.model_io import load_tokenizer, load_value_model, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group(deepspeed=False)  # a plain model on every rank
-        self.model = load_value_model(resolve_model_path(cfg.reward_pretrain), dtype=_dtype(cfg)).eval()
+        local = resolve_model_path(cfg.reward_pretrain)
+        self.model = load_value_model(local, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix,
+                                      trained_head=True).eval()
+        self.eos_token_id = load_tokenizer(local).eos_token_id
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.model.to(self.device)
         self.normalization = reward_normalization(self.model.config)
         if cfg.normalize_reward and self.normalization is None:
@@ -308,15 +322,29 @@ class RewardModelWorker(RankWorker):
 
     @torch.no_grad()
     def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reward of each sequence: the value head at its last non-padding token."""
+        """The reward of each sequence: the value head at its eos, which a truncated response gets appended."""
         rewards = torch.cat([
-            packing_lib.last_token_values(self.model, _unpadded(micro)[0], pad_token_id=self.model.config.pad_token_id,
+            packing_lib.last_token_values(self.model, [ending_with_eos(seq, self.eos_token_id, self.max_positions)
+                                                       for seq in _unpadded(micro)[0]],
+                                          pad_token_id=self.model.config.pad_token_id,
                                           packing=getattr(self.cfg, "packing_samples", False)).cpu()
             for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, self.device)])
         if self.cfg.normalize_reward:
             mean, std = self.normalization
             rewards = (rewards - mean) / std
         return rewards
+
+
+def ending_with_eos(sequence: list[int], eos_token_id: int, max_positions: int | None = None) -> list[int]:
+    """`sequence` as a reward model was trained to score it: ending with eos. A response cut at the length limit
+    gets eos appended (as OpenRLHF does), or its last token replaced where the model has no position left;
+    scored mid-text instead, a reward model is read where it never learned, and a policy can drift into
+    truncated answers that it happens to score well."""
+    if sequence and sequence[-1] == eos_token_id:
+        return sequence
+    if max_positions is not None and len(sequence) >= max_positions:
+        return sequence[: max_positions - 1] + [eos_token_id]
+    return sequence + [eos_token_id]
 
 
 def _unpadded(micro: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
@@ -412,9 +440,7 @@ class Roles:
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             cpu_threads=cpu_threads(cfg.vllm_num_engines), wait=False, **engine_options,
         )
-        # On CPU every model shares the same cores: one model at a time, each with all of them. GPUs run the
-        # models side by side.
-        self.sequential = device == "cpu"
+        self.sequential = models_take_turns(cfg, device)
         self.buckets: list = []
         # Every rank joins its group and loads its model right away; start() waits for them.
         self._joined = [ref for group in self.groups.values() for ref in group.rendezvous()]

@@ -106,7 +106,6 @@ def test_adaptive_kl_controller_update_numbers():
 def test_group_estimators_worked_numbers():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     close(algo.group_advantages(rewards, 4, "group_norm"), [0.8660, -0.8660, -0.8660, 0.8660], atol=1e-4)
-    close(algo.group_advantages(rewards, 4, "group_norm", std_norm=False), [0.5, -0.5, -0.5, 0.5])
     close(algo.group_advantages(rewards, 4, "rloo"), [0.6667, -0.6667, -0.6667, 0.6667], atol=1e-4)
     close(algo.group_advantages(rewards, 4, "dr_grpo"), [0.5, -0.5, -0.5, 0.5])
     close(algo.group_advantages(rewards, 4, "reinforce_baseline"), [0.5, -0.5, -0.5, 0.5])
@@ -192,6 +191,36 @@ def test_compute_advantages_group_norm_broadcasts_to_action_tokens():
     expected = [[a, a, a, 0], [-a, 0, 0, 0], [-a, -a, -a, -a], [a, a, 0, 0]]
     close(adv, expected)  # gamma is 1 for group estimators, and no batch normalisation
     close(ret, expected)
+
+
+def test_group_norm_divides_by_the_group_std_even_with_no_advantage_std_norm():
+    """OpenRLHF: group_norm is (R - mean) / (std + 1e-9) always; no_advantage_std_norm only reaches the batch
+    whitening of gae, reinforce and reinforce_baseline."""
+    mask = ragged_mask([1, 1, 1, 1], 1)
+    adv, _ = algo.compute_advantages("group_norm", torch.tensor([1.0, 0.0, 0.0, 1.0]), mask, n_samples_per_prompt=4,
+                                     std_norm=False)
+    close(adv[:, 0], [0.8660254, -0.8660254, -0.8660254, 0.8660254])
+    # reinforce_baseline: group mean off, then the batch mean only: [3, 1 | 10, 12] -> [1, -1 | -1, 1].
+    adv, _ = algo.compute_advantages("reinforce_baseline", torch.tensor([3.0, 1.0, 10.0, 12.0]), mask,
+                                     n_samples_per_prompt=2, std_norm=False)
+    close(adv[:, 0], [1.0, -1.0, -1.0, 1.0])
+
+
+def test_reward_clip_acts_after_the_group_baseline():
+    """rloo over [30, 0, 0, 0], clip ±10: baselines 0, 10, 10, 10 -> [30, -10, -10, -10] -> [10, -10, -10, -10].
+    Clipping first would give [10, 0, 0, 0] -> [10, -3.33, -3.33, -3.33]."""
+    mask = ragged_mask([1, 1, 1, 1], 1)
+    adv, _ = algo.compute_advantages("rloo", torch.tensor([30.0, 0.0, 0.0, 0.0]), mask, n_samples_per_prompt=4,
+                                     reward_clip_range=(-10.0, 10.0))
+    close(adv[:, 0], [10.0, -10.0, -10.0, -10.0])
+
+
+def test_sequence_kl_is_the_token_mean_of_each_sequence():
+    """As OpenRLHF logs it and feeds --kl_target: [1, 2, 3] -> 2 and [4] -> 4, batch 3 (sums would give 5)."""
+    kl = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
+    per_sequence = algo.sequence_kl(kl, ragged_mask([3, 1], 4))
+    close(per_sequence, [2.0, 4.0])
+    assert float(per_sequence.mean()) == 3.0
 
 
 def test_compute_advantages_rloo_and_dr_grpo_not_batch_normalised():
@@ -518,3 +547,20 @@ def test_truncation_penalty():
     close(algo.truncation_penalty(rewards, truncated, -1.0), [-1.0, 0.8, -1.0])
     with pytest.raises(ValueError, match="truncation"):
         algo.truncation_penalty(rewards, truncated, 1.5)
+
+
+def test_gspo_clips_one_ratio_per_sequence_and_averages_per_sequence():
+    """Sequence 1: token log-ratios 0.1, 0.3 -> s = exp(0.2) = 1.2214, A = +1: clipped at 1.2 on both tokens.
+    Sequence 2: one token, log-ratio -0.1 -> s = 0.9048, A = -1: unclipped, loss +0.9048.
+    Step of 2 sequences: (-1.2 + 0.9048) / 2 = -0.1476; only sequence 2 has a gradient: s / 2 = 0.4524."""
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[0.1, 0.3], [-0.1, 5.0]], requires_grad=True)  # 5.0 is padding
+    mask = ragged_mask([2, 1], 2)
+    advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    loss_t, clipped = algo.gspo_policy_loss(logp, old, advantages, mask)
+    close(loss_t * mask, [[-1.2, -1.2], [0.904837, 0.0]])
+    close(clipped * mask, [[1.0, 1.0], [0.0, 0.0]])
+    loss = algo.aggregate_sequence_loss(loss_t, mask, num_sequences=2)
+    close(loss, -0.147582)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0], [0.452419, 0.0]])

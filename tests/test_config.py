@@ -165,6 +165,11 @@ def test_seed_grpo_is_the_ppo_command_plus_group_norm():
     assert cfg.advantage_estimator == "group_norm"
     assert not cfg.uses_critic and "critic" not in cfg.role_ranks()
     assert cfg.n_samples_per_prompt == 8  # unset: a group estimator needs a group
+    assert cfg.notes() == ["--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator group_norm "
+                           "(OpenRLHF's default of 1 leaves no group to compare with, and OpenRLHF refuses it)"]
+    explicit = parse_stage_args(stage, argv + flags(SEED_GRPO_ADDITION) + ["--n_samples_per_prompt", "4"],
+                                require_inputs=False)
+    assert explicit.n_samples_per_prompt == 4 and explicit.notes() == []
 
 
 def test_seed_workflow_ppo_with_own_reward_model():
@@ -179,6 +184,9 @@ def test_seed_workflow_grpo():
     cfg = parse_stage_args(stage, argv, require_inputs=False)
     assert cfg.advantage_estimator == "group_norm" and cfg.use_kl_loss and cfg.kl_estimator == "k3"
     assert cfg.no_advantage_std_norm and cfg.normalize_reward and not cfg.uses_critic
+    # Accepted as OpenRLHF accepts it, and said to do nothing there.
+    assert any(note.startswith("--no_advantage_std_norm has no effect with --advantage_estimator group_norm")
+               for note in cfg.notes())
     assert cfg.save_path == "./output/llama3-8b-grpo" and cfg.prompt_max_len == 1024
 
 
@@ -265,9 +273,6 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("rl", [*PPO, "--rollout_batch_size", "1000"],
          ["--rollout_batch_size 1000 × --n_samples_per_prompt 1", "--train_batch_size 128"]),
         ("rl", [*PPO, "--micro_rollout_batch_size", "256"], ["--micro_rollout_batch_size 256", "8 actor ranks"]),
-        *[("rl", [*PPO, "--advantage_estimator", name, "--no_advantage_std_norm", "--n_samples_per_prompt", "4"],
-           [f"--no_advantage_std_norm has no effect with --advantage_estimator {name}"])
-          for name in ("rloo", "dr_grpo")],
         ("rl", [*PPO, "--init_kl_coef", "0", "--use_kl_loss"], ["--use_kl_loss with --init_kl_coef 0"]),
         ("rl", [*PPO, "--init_kl_coef", "0", "--kl_estimator", "k3"], ["--kl_estimator k3", "--init_kl_coef 0"]),
         ("rl", [*PPO, "--init_kl_coef", "0", "--kl_target", "6"], ["--kl_target", "--init_kl_coef"]),
@@ -467,3 +472,11 @@ def test_a_resolved_stage_config_round_trips_through_yaml(tmp_path, capsys):
     assert parse_stage_args("rl", ["--config", str(flat)]) == cfg
     flat.write_text(yaml.safe_dump({"seed": 1, "actor_lr": 1.0}))
     assert f"unknown field actor_lr in {flat}" in parse_error(capsys, "rl", ["--config", str(flat)])
+
+
+def test_a_wandb_key_given_as_openrlhf_takes_it_is_refused_without_being_echoed(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_stage_args("rl", ["--use_wandb", "canary-wandb-key-123"], require_inputs=False)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--use_wandb takes no value here: put the W&B key in WANDB_API_KEY" in err and "canary" not in err

@@ -144,3 +144,37 @@ def test_names_and_plain_folders_are_loaded_as_they_are(tiny_model_dir):
 
     model_io.check_model_inputs("reward_model", RewardModelConfig(pretrain="meta-llama/Meta-Llama-3-8B"))
     model_io.check_model_inputs("reward_model", RewardModelConfig(pretrain=str(tiny_model_dir)))  # no manifest
+
+
+def reward_model_with_head_named(tiny_model_dir: Path, out: Path, head: str) -> tuple[Path, torch.Tensor]:
+    """The tiny model as a reward model whose trained head is saved as `<head>.weight`; returns its dir and head."""
+    from safetensors.torch import load_file, save_file
+
+    model = model_io.load_value_model(tiny_model_dir)
+    torch.manual_seed(1)
+    torch.nn.init.normal_(model.score.weight)
+    model.save_pretrained(out)
+    shutil.copy(tiny_model_dir / "tokenizer.json", out / "tokenizer.json")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, out / name)
+    (weights_file,) = out.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights[f"{head}.weight"] = weights.pop("score.weight")
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return out, model.score.weight.detach().clone()
+
+
+def test_a_reward_model_never_scores_with_a_head_it_did_not_train(tiny_model_dir, tmp_path):
+    from stages.errors import StageInputError
+
+    with pytest.raises(StageInputError, match=r"reward model .* has no trained value head: score.weight missing"):
+        model_io.load_value_model(tiny_model_dir, trained_head=True)  # a plain causal LM
+    renamed, head = reward_model_with_head_named(tiny_model_dir, tmp_path / "rm", "value_head")
+    with pytest.raises(StageInputError, match=r"score.weight missing .* weights the model did not use: "
+                                              r"value_head.weight. Name its head with --value_head_prefix"):
+        model_io.load_value_model(renamed, trained_head=True)
+    loaded = model_io.load_value_model(renamed, trained_head=True, value_head_prefix="value_head")
+    assert torch.equal(loaded.score.weight, head)
+    # A critic about to be trained may start from a fresh head.
+    assert model_io.load_value_model(tiny_model_dir).score.weight.shape == head.shape

@@ -14,8 +14,8 @@ from stages.cli import parse_stage_args
 from stages.config import RLConfig
 from pipeline.rehearsal import StandIns, rehearse_stage
 from stages.rl import PromptStream, drift_warnings
-from stages.placement import placement_plan
-from stages.roles import reward_normalization
+from stages.placement import models_take_turns, placement_plan
+from stages.roles import ending_with_eos, reward_normalization
 from stages.tiny import build_tiny_datasets
 from stages.weight_sync import bucket_bytes_total, plan_buckets
 
@@ -66,6 +66,14 @@ def test_placement_plans_follow_the_colocation_flags(flags, plan):
     assert placement_plan(rl_config(*flags)) == plan
 
 
+def test_models_on_shared_gpus_take_turns():
+    """Colocated on GPUs, the experience forwards and the updates run one model at a time (as in OpenRLHF): side
+    by side, every model's activations would have to fit at once. Apart, each model has GPUs of its own."""
+    assert models_take_turns(rl_config(), "cuda")  # the tiny preset colocates, as the seed's commands do
+    assert not models_take_turns(rl_config("--no_colocate_all_models"), "cuda")
+    assert models_take_turns(rl_config("--no_colocate_all_models"), "cpu")  # one set of cores for all
+
+
 def test_reward_statistics_are_read_in_ours_and_openrlhfs_names():
     assert reward_normalization(types.SimpleNamespace(reward_mean=1.5, reward_std=2.0)) == (1.5, 2.0)
     assert reward_normalization(types.SimpleNamespace(mean=-0.5, std=0.0)) == (-0.5, 1e-8)
@@ -111,3 +119,9 @@ def test_a_non_finite_loss_stops_the_stage_naming_the_step_and_the_checkpoint_ke
     commit_checkpoint(tmp_path, 5, max_keep=2)
     with pytest.raises(StageInputError, match=r"step 7: policy_loss=nan is not finite.*step 5, is kept"):
         check_finite({"policy_loss": float("nan"), "critic_loss": 0.2}, step=6, ckpt_path=str(tmp_path))
+
+
+def test_a_truncated_response_is_scored_at_an_eos_as_the_reward_model_was_trained():
+    assert ending_with_eos([5, 6, 2], eos_token_id=2) == [5, 6, 2]  # stopped: scored as it is
+    assert ending_with_eos([5, 6, 7], eos_token_id=2) == [5, 6, 7, 2]  # cut at the length limit: eos appended
+    assert ending_with_eos([5, 6, 7], eos_token_id=2, max_positions=3) == [5, 6, 2]  # no position left: replaced
