@@ -50,6 +50,11 @@ class Settings(StoreSettings):
         description="Stage staging dirs (config, output/, ckpt/); must be visible to the Prefect worker "
         "and every Ray node, i.e. local or a shared filesystem (RLHF_WORKSPACE_ROOT).",
     )
+    gpu_memory_gib: float = Field(
+        80.0, gt=0,
+        description="Memory of one GPU of the cluster, for the plan's per-GPU memory table and fit check "
+        "(RLHF_GPU_MEMORY_GIB; 80 for A100/H100 80 GB, 141 for H200).",
+    )
     ray_address: str | None = Field(
         None,
         description="Ray Jobs API address, e.g. http://127.0.0.1:8265; unset = start a local head on demand "

@@ -24,6 +24,7 @@ tell never stands in for one. What the plan shows is redacted (infra/secrets.py)
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shlex
 import time
@@ -38,6 +39,7 @@ from infra.settings import PROJECT_ROOT, Settings
 from pipeline.config import PipelineConfig, policy_stage, shape_inputs
 from pipeline.gate import PRODUCTION_ALIAS, production_baseline
 from pipeline.identity import StageResult, stage_code_version, stage_identity, stage_inputs
+from pipeline.memory import GIB, ModelShape, render, rl_memory
 from pipeline.prepare import prepare
 from stages.cli import flag_words
 from stages.config import STAGE_CONFIGS, StageConfig
@@ -85,6 +87,7 @@ class StagePlan(BaseModel):
     reused_version: int | None
     datasets: list[DatasetCheck]
     unpinned: bool = False  # a hub dataset whose revision could not be told: no key
+    memory: list[str] = []  # the per-GPU memory table (RL on GPUs)
 
 
 class Plan(BaseModel):
@@ -119,6 +122,7 @@ class Plan(BaseModel):
                       f"  would {reuse}"]
             lines += [f"  data {check.field}: {check.source} ({_short_fingerprint(check.fingerprint)}): schema "
                       f"{check.schema_check}" for check in plan.datasets]
+            lines += plan.memory
             lines += ["  " + line for line in plan.command.splitlines()]
             lines.append("")
         lines += [f"note: {note}" for note in self.notes]
@@ -277,6 +281,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
         bundles, bundle = ray_request(stage, type(section).model_validate(shown), device, cluster.cpus)
         _check_fit(stage, device, bundles, bundle, cluster, problems, notes)
         datasets = check_datasets(stage, section, problems)
+        memory = memory_plan(config, stage, wiring, settings, problems, notes) if device == "cuda" else []
         key = reused = None
         if store is not None and stage not in unpinned and all(result is not None for result in upstream.values()):
             key = stage_identity(config.name, stage, section, upstream, stage_code_version(settings, stage)).key
@@ -287,7 +292,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
         results.setdefault(stage, None)
         plans.append(StagePlan(stage=stage, inputs=inputs, command=command_line(stage, shown, settings), device=device,
                                bundles=bundles, bundle=bundle, key=key, reused_version=reused, datasets=datasets,
-                               unpinned=stage in unpinned))
+                               unpinned=stage in unpinned, memory=memory))
     return Plan(config=config, cluster=cluster, stages=plans, problems=problems, notes=notes)
 
 
@@ -345,6 +350,66 @@ def _production(store, config: PipelineConfig, results: dict) -> StageResult | N
         return production_baseline(store, candidate)
     record = store.alias_record(policy_stage(config.shape), PRODUCTION_ALIAS)
     return StageResult.from_manifest(store.get(policy_stage(config.shape), record["version"])) if record else None
+
+
+def base_model(config: PipelineConfig, stage: str, field: str, wiring: dict[str, dict[str, str]]) -> str | None:
+    """The model a field of `stage` starts from: the field's value, or for a field an earlier stage feeds, what that
+    stage trained from (its architecture, and so its memory, is the same)."""
+    producer = wiring[stage].get(field)
+    if producer is not None:
+        return base_model(config, producer, "pretrain", wiring)
+    return getattr(config.section(stage), field)
+
+
+def model_shape(source: str) -> ModelShape:
+    """The shape of the model at `source` from its config.json: a local folder, an fsspec URI or a hub name (the
+    hub's file, or the local hub cache offline)."""
+    if Path(source).expanduser().is_dir():
+        text = (Path(source).expanduser() / "config.json").read_text()
+    elif "://" in source:
+        import fsspec
+
+        with fsspec.open(f"{source.rstrip('/')}/config.json", "r") as handle:
+            text = handle.read()
+    else:
+        from huggingface_hub import hf_hub_download
+
+        text = Path(hf_hub_download(source, "config.json")).read_text()
+    return ModelShape.from_config(json.loads(text))
+
+
+def memory_plan(config: PipelineConfig, stage: str, wiring: dict[str, dict[str, str]], settings: Settings,
+                problems: list[str], notes: list[str]) -> list[str]:
+    """The per-GPU memory table of an RL stage on GPUs; a problem when a GPU group would not fit."""
+    if stage != "rl":
+        return []
+    cfg = config.section(stage)
+    actor = base_model(config, stage, "pretrain", wiring)
+    sources = {"actor": actor, "ref": cfg.ref_pretrain or actor,
+               "critic": base_model(config, stage, "critic_pretrain", wiring) or (
+                   base_model(config, stage, "reward_pretrain", wiring) or actor),
+               "reward": base_model(config, stage, "reward_pretrain", wiring)}
+    shapes = {}
+    for role, source in sources.items():
+        if role in cfg.role_ranks() and source:
+            try:
+                shapes[role] = model_shape(str(source))
+            except Exception as error:  # noqa: BLE001 - any failure to read a config only leaves the table out
+                notes.append(f"{stage}: no memory estimate for {role} ({source}): cannot read its config.json "
+                             f"({type(error).__name__})")
+    gpu_bytes = settings.gpu_memory_gib * GIB
+    groups = rl_memory(cfg, shapes, gpu_bytes)
+    unknown = [role for role in cfg.role_ranks() if role not in shapes]
+    if unknown and cfg.colocate_all_models:  # a shared peak without some of the models would understate it
+        return render(groups, gpu_bytes)[:-1] + [f"    peak not estimated: no shape for {', '.join(unknown)}"]
+    for where, members, peak in groups:
+        if peak > gpu_bytes:
+            problems.append(
+                f"{stage}: the GPUs {where} need about {peak / GIB:.1f} GiB each "
+                f"({', '.join(f'{m.role} {m.working / GIB:.1f}' for m in members)}), more than the "
+                f"{settings.gpu_memory_gib:g} GiB of a GPU (RLHF_GPU_MEMORY_GIB): raise --zero_stage, set "
+                "--adam_offload, --gradient_checkpointing or the sleep flags, lower the micro-batch sizes")
+    return render(groups, gpu_bytes)
 
 
 def _check_fit(stage: str, device: str, bundles: int, bundle: dict[str, float], cluster: ClusterResources,

@@ -27,7 +27,9 @@ from pipeline.config import (
 )
 from stages.config import STAGE_CONFIGS, ConfigError
 from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
+from pipeline.memory import GIB, ModelShape, frozen_memory, rl_memory, trained_memory
 from pipeline.plan import ClusterResources, _check_fit, ray_request
+from stages.cli import parse_stage_args
 from pipeline.gate import check_gate
 from pipeline.identity import stage_identity
 
@@ -184,11 +186,78 @@ def run_plan(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedP
     return done, time.monotonic() - started
 
 
+# Meta-Llama-3-8B's config.json (the presets' models all have this shape), as the hub serves it.
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+             "vocab_size": 128256, "tie_word_embeddings": False, "max_position_embeddings": 8192}
+PRESET_MODELS = ("meta-llama/Meta-Llama-3-8B", "OpenRLHF/Llama-3-8b-sft-mixture", "OpenRLHF/Llama-3-8b-rm-700k")
+
+
+def offline_hub_with_configs(home: Path) -> dict[str, str]:
+    """An HF cache at `home` holding the presets' models' config.json (what a plan downloads, seconds), and the
+    environment that reads it offline, as this machine is."""
+    import json
+
+    for name in PRESET_MODELS:
+        folder = home / "hub" / f"models--{name.replace('/', '--')}"
+        snapshot = folder / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text(json.dumps(LLAMA3_8B))
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("0" * 40)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(home)}
+
+
+def test_the_parameter_count_comes_from_the_config():
+    assert ModelShape.from_config(LLAMA3_8B).params == 8_030_261_248  # Meta-Llama-3-8B's published count
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+            "tie_word_embeddings": True}
+    # GPT-2's 124.4M within 1% (its position embeddings and biases are left out).
+    assert ModelShape.from_config(gpt2).params == pytest.approx(124_439_808, rel=0.01)
+
+
+def test_memory_of_a_trained_and_a_frozen_model_worked_numbers():
+    """N = 1e9 in bf16 over 8 ranks: ZeRO-3 partitions weights (2e9 / 8), gradients (2e9 / 8) and Adam (12e9 / 8);
+    ZeRO-2 keeps the weights whole; --adam_offload keeps Adam on the host. Activations of 2 × 50 tokens, h = 1000,
+    L = 10, V = 100, checkpointed: 10 × 100 × 1000 × 2 + one layer 17 × 100 × 1000 × 2 = 5.4e6, logits 100 × 100 × 6."""
+    shape = ModelShape(params=10**9, hidden=1000, layers=10, vocab=100)
+    common = dict(ranks=8, bf16=True, lora=False, micro_batch=2, seq_len=50, with_logits=True)
+    zero3 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True, **common)
+    assert (zero3.weights, zero3.gradients, zero3.optimizer) == (2.5e8, 2.5e8, 1.5e9)
+    assert zero3.activations == 5.4e6 + 6e4
+    zero2 = trained_memory("actor", shape, zero_stage=2, adam_offload=True, gradient_checkpointing=False, **common)
+    assert (zero2.weights, zero2.gradients, zero2.optimizer) == (2e9, 2.5e8, 0.0)
+    assert zero2.activations == 10 * 17 * 100 * 1000 * 2 + 6e4  # every layer kept whole
+    frozen = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, micro_batch=2, seq_len=50, with_logits=True)
+    assert (frozen.weights, frozen.gradients, frozen.optimizer) == (2.5e8, 0.0, 0.0)
+
+
+def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest():
+    """llama3-8b's RL (everything on the 8 GPUs, ZeRO-3, both sleep modes): the peak is generation, the engines'
+    40 GiB plus the frozen models' weights; without the sleep modes every model's states stay resident."""
+    cfg = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False)
+    shape = ModelShape.from_config(LLAMA3_8B)
+    shapes = {role: shape for role in ("actor", "critic", "ref", "reward")}
+    [(where, members, peak)] = rl_memory(cfg, shapes, 80 * GIB)
+    weights = 2 * shape.params / 8
+    assert where == "shared by every model" and peak == pytest.approx(40 * GIB + 2 * weights)
+    awake = cfg.model_copy(update={"vllm_enable_sleep": False, "deepspeed_enable_sleep": False})
+    [(_, members, awake_peak)] = rl_memory(awake, shapes, 80 * GIB)
+    role = {m.role: m for m in members}
+    # Awake, the largest phase is the reference's forward (logits of 16 × 2048 tokens) with all else resident.
+    assert awake_peak == pytest.approx(role["ref"].working + role["actor"].states + role["critic"].states
+                                       + role["reward"].states + 40 * GIB)
+    apart = cfg.model_copy(update={"colocate_all_models": False, "vllm_enable_sleep": False,
+                                   "deepspeed_enable_sleep": False})
+    assert [where for where, _, _ in rl_memory(apart, shapes, 80 * GIB)] == ["actor", "ref", "critic", "reward",
+                                                                              "engines"]  # each on GPUs of its own
+
+
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_plan_of_a_gpu_preset_in_seconds(preset, tmp_path):
     # Offline, as this machine is (the hub's revision look-ups and their retries: tests/test_transient.py).
     done, seconds = run_plan("--preset", preset, "--artifact_root", str(tmp_path / "artifacts"),
-                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                             env=offline_hub_with_configs(tmp_path / "hf"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     print(f"--plan {preset}: {seconds:.1f} s\n{done.stdout}")
     out = done.stdout
@@ -203,6 +272,23 @@ def test_plan_of_a_gpu_preset_in_seconds(preset, tmp_path):
     assert "schema not checked: the hub cannot be reached" in out  # hub datasets, offline here
     assert "not pinned here, the flow's plan pins it" in out
     assert "plan OK" in out and seconds < 60
+    # The per-GPU memory table of the RL stage, every role estimated from its model's config.json.
+    table = out.split("memory per GPU (GiB, of 80", 1)[1].split("python -m stages.rl", 1)[0]
+    roles = ("actor", "critic", "ref", "reward", "engines") if preset == "llama3-8b" else ("actor", "ref", "engines")
+    assert [line.split()[0] for line in table.splitlines()[2:2 + len(roles)]] == list(roles), table
+    peak = {"llama3-8b": "43.7", "llama3-8b-grpo": "41.9"}[preset]  # generation: engines + frozen weights
+    assert f"peak on the GPUs shared by every model: {peak}" in table, table
+    assert "no memory estimate" not in out
+
+
+def test_a_plan_that_does_not_fit_its_gpus_is_refused_naming_the_numbers(tmp_path):
+    env = {**offline_hub_with_configs(tmp_path / "hf"), "RLHF_GPU_MEMORY_GIB": "24"}
+    done, _ = run_plan("--preset", "llama3-8b", "--artifact_root", str(tmp_path / "artifacts"), env=env)
+    assert done.returncode == 1, done.stdout[-3000:]
+    problem = next(line for line in done.stdout.splitlines() if line.startswith("PROBLEM: rl: the GPUs"))
+    # 24 GiB GPUs: the engines take 12 of them, the actor's turn needs 32.8 with the frozen models resident.
+    assert "shared by every model need about 36.6 GiB each (actor 32.8," in problem, problem
+    assert "more than the 24 GiB of a GPU (RLHF_GPU_MEMORY_GIB)" in problem
 
 
 def test_plan_fails_naming_the_stage_and_field(tmp_path):
