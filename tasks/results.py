@@ -2,10 +2,10 @@
 
 A retried flow run loads the results of the tasks that finished (what makes it skip them). A result file names its
 own serializer, and Prefect deserializes it with that one: a file planted where results live could name pickle and
-run code on the worker, which holds the S3, Ray and Prefect credentials. So results are written as JSON with
-Prefect's default JSON settings, kept out of every folder stage jobs write (not under the workspace root), and read
-through a checked storage block (`CheckedReads`), which refuses a result whose serializer is anything but that JSON, or that names a
-class outside this project's packages.
+run code on the worker, which holds the S3, Ray and Prefect credentials. So results are written as JSON
+(RESULT_SERIALIZER), kept out of every folder stage jobs write (not under the workspace root), and read through a
+checked storage block (`CheckedReads`), which refuses a result whose serializer is anything but that JSON, or that
+names a class outside this project's packages.
 """
 
 from __future__ import annotations
@@ -16,14 +16,34 @@ from pathlib import Path
 from typing import Any
 
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
-from prefect.serializers import JSONSerializer
+from prefect.serializers import JSONSerializer, prefect_json_object_decoder, prefect_json_object_encoder
+from prefect.utilities.importtools import from_qualified_name, to_qualified_name
+from pydantic import BaseModel
 from prefect.settings import PREFECT_HOME
 
 from infra.settings import Settings
 
-RESULT_SERIALIZER = "json"
+# JSON with Prefect's encoding but for pydantic models, written {"__class__", "fields"}: a flow's result is stored bare
+# (its metadata lives in the run's state) and Prefect reads a bare JSON object with a "data" key, its own encoding
+# of a model, as an old-format result record: the result came back as a dict in any other process.
+RESULT_SERIALIZER = JSONSerializer(object_encoder="tasks.results.encode_result_object",
+                                   object_decoder="tasks.results.decode_result_object")
 # Classes a result may name (Prefect's JSON encoder records each pydantic model's class): this project's only.
 RESULT_PACKAGES = ("flows.", "pipeline.", "tasks.", "stages.", "infra.")
+
+
+def encode_result_object(obj: Any) -> Any:
+    """`json.dumps(default=...)` of results: a pydantic model as its class and fields, else Prefect's encoding."""
+    if isinstance(obj, BaseModel):
+        return {"__class__": to_qualified_name(type(obj)), "fields": obj.model_dump(mode="json")}
+    return prefect_json_object_encoder(obj)
+
+
+def decode_result_object(value: dict[str, Any]) -> Any:
+    """`json.loads(object_hook=...)` of results: the inverse of encode_result_object (classes were checked first)."""
+    if "__class__" in value and "fields" in value:
+        return from_qualified_name(value["__class__"]).model_validate(value["fields"])
+    return prefect_json_object_decoder(value)
 
 
 class RefusedResult(ValueError):
@@ -41,19 +61,25 @@ def _classes(value: Any) -> list[str]:
 
 
 def check_result_record(content: bytes, path: str) -> None:
-    """Raise RefusedResult unless `content` is a result record serialized with Prefect's default JSON settings whose
-    classes all belong to this project."""
+    """Raise RefusedResult unless `content` is JSON this project wrote: a result record (a task's, naming its own
+    serializer: this project's JSON settings only), or a bare JSON result (a flow's, whose serializer its run's
+    state on the server names); either way every class it names belongs to this project."""
     try:
-        record = json.loads(content)
-        serializer = record["metadata"]["serializer"]
-        result = record["result"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise RefusedResult(f"result {path}: not a result record ({error})") from None
-    if serializer != JSONSerializer().model_dump(mode="json"):
-        kind = serializer.get("type") if isinstance(serializer, dict) else serializer
-        raise RefusedResult(f"result {path}: written with serializer {kind!r} or settings this project never uses; "
-                            "only JSON results are read (was it planted there?)")
-    foreign = [name for name in _classes(json.loads(result)) if not name.startswith(RESULT_PACKAGES)]
+        decoded = json.loads(content)
+    except ValueError as error:
+        raise RefusedResult(f"result {path}: not JSON ({error}); only JSON results are read (was it planted there?)"
+                            ) from None
+    if isinstance(decoded, dict) and "metadata" in decoded and "result" in decoded:
+        serializer = decoded["metadata"].get("serializer") if isinstance(decoded["metadata"], dict) else None
+        if serializer != RESULT_SERIALIZER.model_dump(mode="json"):
+            kind = serializer.get("type") if isinstance(serializer, dict) else serializer
+            raise RefusedResult(f"result {path}: written with serializer {kind!r} or settings this project never "
+                                "uses; only JSON results are read (was it planted there?)")
+        try:
+            decoded = json.loads(decoded["result"])
+        except (TypeError, ValueError) as error:
+            raise RefusedResult(f"result {path}: its result is not JSON ({error})") from None
+    foreign = [name for name in _classes(decoded) if not name.startswith(RESULT_PACKAGES)]
     if foreign:
         raise RefusedResult(f"result {path}: names classes outside this project ({', '.join(sorted(set(foreign)))})")
 

@@ -38,7 +38,7 @@ from infra.settings import PROJECT_ROOT, get_settings
 from pipeline.config import PIPELINE_SHAPES, PromotionGate, load_pipeline_config, shape_inputs
 from stages.launch import writer_lock, writer_lock_path
 from tasks.promote import judge, promote
-from tasks.results import persisted
+from tasks.results import RESULT_SERIALIZER, persisted
 from pipeline.identity import StageResult, resolve_config, stage_code_version, stage_key
 from tasks.run_stage import StageConfigError, StageError, StageTimeout, stage_task, submission_id
 from tcp_proxy import TcpProxy
@@ -421,9 +421,9 @@ def test_a_planted_pickle_result_is_never_loaded(env, tmp_path):
     retry to load) is refused by the storage every task reads its results through; the files are nowhere a job
     writes."""
     from prefect.results import ResultRecord, ResultRecordMetadata, ResultStore, resolve_result_storage
-    from prefect.serializers import JSONSerializer, PickleSerializer
+    from prefect.serializers import PickleSerializer
 
-    from tasks.results import RefusedResult, persisted
+    from tasks.results import RefusedResult
 
     result = run_toy(env, ToyConfig(value=15)).result()
     results = Path(get_settings().result_storage)
@@ -431,7 +431,7 @@ def test_a_planted_pickle_result_is_never_loaded(env, tmp_path):
     assert files and not results.is_relative_to(get_settings().workspace_root)
     storage = resolve_result_storage(persisted(get_settings())["result_storage"])
     # Read the way Prefect reads results when a retry looks for them: what the run wrote passes.
-    store = ResultStore(result_storage=storage, serializer=JSONSerializer(), cache_result_in_memory=False)
+    store = ResultStore(result_storage=storage, serializer=RESULT_SERIALIZER, cache_result_in_memory=False)
     assert store.exists(files[0].name) and store.read(files[0].name).result == result
 
     marker = tmp_path / "planted-code-ran"
@@ -443,6 +443,28 @@ def test_a_planted_pickle_result_is_never_loaded(env, tmp_path):
             store.read(path.name)
         assert not store.exists(path.name)  # a retry takes it for missing and runs the task again
     assert not marker.exists()
+
+
+@flow(name="result-of-a-flow", persist_result=True, result_serializer=RESULT_SERIALIZER)
+def flow_returning_a_model() -> StageResult:
+    return StageResult(pipeline=PIPELINE, stage="toy", version=3, uri="file:///x", digest="d", stage_key="k",
+                       metrics={"steps": 3})
+
+
+def test_a_flow_result_reads_back_as_its_model_in_another_process(prefect_server):
+    """A flow's result is stored bare (its serializer lives in the run's state): read back elsewhere, as a test,
+    the UI's user or a later night does, it is the model the flow returned, not a dict (Prefect's own JSON form
+    of a model reads back as an old-format record)."""
+    from prefect.settings import PREFECT_API_URL
+
+    state = flow_returning_a_model(return_state=True)
+    code = ("from prefect import get_client\n"
+            "with get_client(sync_client=True) as client:\n"
+            f"    result = client.read_flow_run('{state.state_details.flow_run_id}').state.result()\n"
+            "print(type(result).__name__, result.version, result.metrics)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(PROJECT_ROOT)})
+    assert done.stdout.strip() == "StageResult 3 {'steps': 3}", done.stdout + done.stderr[-2000:]
 
 
 class Planted:
