@@ -28,6 +28,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -514,9 +515,11 @@ def test_artifacts_and_task_results_live_on_s3_and_verify(operated_run, s3_env, 
     root = f"{operated_run['prefix']}/artifacts"
     store = store_of(operated_run)
     assert {m.stage for m in store.lineage("evaluate")} == set(STAGES)
+    # gc with no grace at all, which an operator must ask for (the run is over: no upload is live).
+    no_grace = {**os.environ, "RLHF_MIN_STAGING_GRACE_S": "0"}
     for command in (["verify", root, "tiny"], ["list", root, "tiny"], ["gc", root, "--grace-s", "0"]):
         done = subprocess.run([sys.executable, "-m", "infra.artifacts", *command], cwd=PROJECT_ROOT,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+                              capture_output=True, text=True, timeout=120, env=no_grace)  # fmt: skip
         assert done.returncode == 0, done.stderr
         if command[0] == "verify":
             assert done.stdout.count("ok ") == len(STAGES) + 1 and "FAILED" not in done.stdout
