@@ -9,14 +9,11 @@ and reward model (conftest.py) feed every run.
 from __future__ import annotations
 
 import math
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from infra.ray_cluster import LocalRayHead, _ray_executable
 from stages.cli import parse_stage_args
 from pipeline.rehearsal import StandIns, rehearse_stage
 
@@ -175,20 +172,20 @@ def test_the_seed_ppo_command_rehearsed_on_cpu(tmp_path, assets, sft_model, rewa
 
 
 def ragged_prompts(path: Path, out: Path, seed: int) -> Path:
-    """The tiny task's prompts behind instructions of 0 to 7 sentences: chat-templated, 10 to about 60 tokens."""
+    """The tiny task's prompts behind instructions of 0 to 5 sentences: chat-templated, 10 to about 55 tokens."""
     import json
     import random
 
     rng = random.Random(seed)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    out.write_text("".join(json.dumps({**row, "prompt": "Please answer. " * rng.randint(0, 7) + row["prompt"]}) + "\n"
+    out.write_text("".join(json.dumps({**row, "prompt": "Please answer. " * rng.randint(0, 5) + row["prompt"]}) + "\n"
                            for row in rows))
     return out
 
 
 def test_rollouts_at_production_shapes_learn(tmp_path, assets, sft_model):
     """128 prompts × 8 samples a rollout (1024 samples, one optimizer step in micro-batches of 64), prompts of
-    ragged lengths up to ~60 tokens, 16-token answers, vLLM engines (every call over the scheduler's token budget),
+    ragged lengths up to ~55 tokens, 16-token answers, vLLM engines (every call over the scheduler's token budget),
     held-out evaluation with pass@4 along the way: held-out accuracy rises."""
     train = ragged_prompts(assets["prompts_train"], tmp_path / "train.jsonl", seed=1)
     held_out = ragged_prompts(assets["prompts_eval"], tmp_path / "eval.jsonl", seed=2)
@@ -205,36 +202,3 @@ def test_rollouts_at_production_shapes_learn(tmp_path, assets, sft_model):
     evaluated = [r for r in history if "eval_pass4" in r]
     assert len(evaluated) == 2 and all(r["eval_pass4"] >= r["eval_pass1"] for r in evaluated), evaluated
 
-
-def test_an_rl_stage_spread_over_two_nodes_learns(tmp_path, assets, sft_model):
-    """A cluster of two nodes on this machine (a head and a second node, one core each): the stage's two actor and
-    two reference ranks (everything colocated, as the seed's commands run) need both nodes, the rendezvous and the
-    weight sync cross them, and the policy learns as on one node."""
-    from ray.util.state import list_actors, list_nodes
-
-    with LocalRayHead(num_cpus=1, auth_mode="disabled") as head:
-        node = subprocess.Popen(
-            [_ray_executable(), "start", "--block", f"--address={head.gcs_address}", "--num-cpus=1",
-             "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-             *(f"--{flag}={free_port()}" for flag in ("node-manager-port", "object-manager-port", "metrics-export-port",
-                                                      "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                      "runtime-env-agent-port"))],
-            env=head.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 90
-            while len([n for n in list_nodes(address=head.address) if n.state == "ALIVE"]) < 2:
-                assert time.monotonic() < deadline and node.poll() is None, "the second node never joined"
-                time.sleep(1)
-            out = tmp_path / "run"
-            run_stage("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
-                      "--eval_dataset", assets["prompts_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt",
-                      "--remote_rm_url", RULE_REWARD, "--actor_num_gpus_per_node", 2, "--ref_num_gpus_per_node", 2,
-                      "--max_samples", 320, "--eval_steps", 10, "--eval_n_samples_per_prompt", 0,
-                      ray_address=head.gcs_address)
-            ranks = list_actors(address=head.address, filters=[("class_name", "=", "PolicyWorker")], detail=True)
-        finally:
-            node.terminate()
-            node.wait(timeout=60)
-    assert len({actor.node_id for actor in ranks}) == 2, [(actor.name, actor.node_id) for actor in ranks]
-    metrics = metrics_of(out / "model")
-    assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + 0.4, metrics
