@@ -22,7 +22,7 @@ allocator fragmentation and CUDA context (about 1 GiB a process) come on top.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GIB = 2**30
 # Architectures whose MLP has three matrices (gate, up, down) rather than two.
@@ -66,7 +66,6 @@ class RoleMemory:
     optimizer: float = 0.0
     activations: float = 0.0
     engine: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def states(self) -> float:
@@ -75,6 +74,16 @@ class RoleMemory:
     @property
     def working(self) -> float:
         return self.states + self.activations + self.engine
+
+
+def _layer_activations(shape: ModelShape, tokens: int) -> float:
+    """Bytes one layer keeps for backward (or a forward holds at a time) over `tokens` tokens, 16-bit values."""
+    return ACTIVATION_VALUES_PER_LAYER * tokens * shape.hidden * 2
+
+
+def _logits(shape: ModelShape, tokens: int, value_bytes: int) -> float:
+    """Bytes of the logits of `tokens` tokens and their fp32 log-softmax."""
+    return tokens * shape.vocab * (value_bytes + 4)
 
 
 def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, adam_offload: bool,
@@ -87,9 +96,9 @@ def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int,
         memory.gradients = n * value_bytes / (ranks if zero_stage >= 2 else 1)
         memory.optimizer = 0.0 if adam_offload else n * (12 if bf16 else 8) / (ranks if zero_stage >= 1 else 1)
     tokens = micro_batch * seq_len
-    layer = ACTIVATION_VALUES_PER_LAYER * tokens * shape.hidden * 2
+    layer = _layer_activations(shape, tokens)
     kept = shape.layers * tokens * shape.hidden * 2 + layer if gradient_checkpointing else shape.layers * layer
-    memory.activations = kept + (tokens * shape.vocab * (value_bytes + 4) if with_logits else 0)
+    memory.activations = kept + (_logits(shape, tokens, value_bytes) if with_logits else 0)
     return memory
 
 
@@ -99,8 +108,7 @@ def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, 
     tokens = micro_batch * seq_len
     memory = RoleMemory(role, weights=shape.params * value_bytes / (ranks if zero_stage == 3 else 1))
     # A forward keeps one layer's activations at a time, plus the logits it reads log-probs from.
-    memory.activations = (ACTIVATION_VALUES_PER_LAYER * tokens * shape.hidden * 2
-                          + (tokens * shape.vocab * (value_bytes + 4) if with_logits else 0))
+    memory.activations = _layer_activations(shape, tokens) + (_logits(shape, tokens, value_bytes) if with_logits else 0)
     return memory
 
 
@@ -114,9 +122,9 @@ def rl_memory(cfg, shapes: dict[str, ModelShape], gpu_bytes: float) -> list[tupl
     for role in ("actor", "critic"):
         if role in ranks and role in shapes:
             roles[role] = trained_memory(
-                role, shapes[role], ranks=ranks[role], adam_offload=cfg.adam_offload, lora=cfg.lora_rank > 0 and
-                role == "actor", gradient_checkpointing=cfg.gradient_checkpointing, micro_batch=cfg.micro_train_batch_size,
-                seq_len=seq_len, with_logits=role == "actor", **common)  # fmt: skip
+                role, shapes[role], ranks=ranks[role], adam_offload=cfg.adam_offload,
+                lora=cfg.lora_rank > 0 and role == "actor", gradient_checkpointing=cfg.gradient_checkpointing,
+                micro_batch=cfg.micro_train_batch_size, seq_len=seq_len, with_logits=role == "actor", **common)
     for role in ("ref", "reward"):
         if role in ranks and role in shapes:
             roles[role] = frozen_memory(role, shapes[role], ranks=ranks[role], micro_batch=cfg.micro_rollout_batch_size,

@@ -117,7 +117,8 @@ def parse_stage_args(stage: str, argv: list[str] | None = None, *, require_input
     model_cls = STAGE_CONFIGS[stage]
     parser = build_parser(model_cls)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--use_wandb" in argv[:-1] and not argv[argv.index("--use_wandb") + 1].startswith("--"):
+    keyed = "--use_wandb" in argv[:-1] and not argv[argv.index("--use_wandb") + 1].startswith("--")
+    if keyed or any(word.startswith("--use_wandb=") for word in argv):
         # OpenRLHF's --use_wandb takes the API key; here it is a switch, and the key itself is never echoed.
         parser.error("--use_wandb takes no value here: put the W&B key in WANDB_API_KEY (a key given as a flag "
                      "would reach logs, plans and run parameters)")

@@ -480,3 +480,6 @@ def test_a_wandb_key_given_as_openrlhf_takes_it_is_refused_without_being_echoed(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--use_wandb takes no value here: put the W&B key in WANDB_API_KEY" in err and "canary" not in err
+    with pytest.raises(SystemExit):
+        parse_stage_args("rl", ["--use_wandb=canary-wandb-key-123"], require_inputs=False)
+    assert "canary" not in capsys.readouterr().err
