@@ -3,6 +3,9 @@ artifact roots on both backends, the test output folder."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,10 +13,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 MOTO_BUCKET = "rlhf-test"
 # What tests save for a person to look at (screenshots); listed at the end of the test report.
@@ -21,12 +25,29 @@ TEST_OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
 _SESSION_STARTED = time.time()
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
+    """`build(folder)`'s result, built once per test session even when pytest-xdist runs the session in several
+    worker processes: the first worker builds under a lock in the folder all workers share, the others wait and
+    reuse it (pickled result). A build that failed is tried again by the next worker that needs it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-N/: the workers' common parent
+    folder, result = root / f"built-{name}", root / f"built-{name}.pickle"
+    with FileLock(root / f"built-{name}.lock"):
+        if not result.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            value = build(folder)
+            result.write_bytes(pickle.dumps(value))
+        return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, Path]:
     """The tiny model, tokenizer and datasets (seed 0), built once; no test writes into them."""
     from stages.tiny import build_tiny_assets
 
-    return build_tiny_assets(tmp_path_factory.mktemp("tiny"), seed=0)
+    return built_once(tmp_path_factory, "tiny", lambda folder: build_tiny_assets(folder, seed=0))
 
 
 # The tiny preset's SFT (3 epochs of 75 steps of 32 examples on 2 ranks), a checkpoint every 50 steps.
@@ -40,10 +61,12 @@ def sft_model(assets, tmp_path_factory) -> Path:
     held-out loss: the start of the stage tests and of every RL test."""
     from stage_runs import run_stage
 
-    out = tmp_path_factory.mktemp("sft")
-    run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--eval_dataset",
-              assets["sft_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt", *SFT_FLAGS)
-    return out / "model"
+    def train(out: Path) -> Path:
+        run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--eval_dataset",
+                  assets["sft_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt", *SFT_FLAGS)
+        return out / "model"
+
+    return built_once(tmp_path_factory, "sft", train)
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +75,13 @@ def reward_model(assets, sft_model, tmp_path_factory) -> Path:
     pairs: the reward model of the RL tests."""
     from stage_runs import metrics_of, run_stage
 
-    out = tmp_path_factory.mktemp("rm")
-    run_stage("reward_model", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset",
-              assets["pref_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt", "--zero_stage", 3)
-    assert metrics_of(out / "model")["eval_accuracy"] >= 0.95
-    return out / "model"
+    def train(out: Path) -> Path:
+        run_stage("reward_model", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset",
+                  assets["pref_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt", "--zero_stage", 3)
+        assert metrics_of(out / "model")["eval_accuracy"] >= 0.95
+        return out / "model"
+
+    return built_once(tmp_path_factory, "rm", train)
 
 
 @pytest.fixture(scope="session")
