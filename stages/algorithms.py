@@ -371,6 +371,12 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, value_clip: 
     return 0.5 * torch.max((values_clipped - returns).square(), unclipped)
 
 
+def ema_update(average: Tensor, value: Tensor, beta: float) -> Tensor:
+    """Exponential moving average of weights, in place: average <- beta * average + (1 - beta) * value
+    (OpenRLHF's --enable_ema after each optimizer step, starting from the initial weights)."""
+    return average.mul_(beta).add_(value.to(average.dtype), alpha=1.0 - beta)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Reward model, DPO family, KTO
 # ---------------------------------------------------------------------------------------------------------------

@@ -261,9 +261,31 @@ class OfflineTrainingConfig(RankLayout, TrainingConfig):
         None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI",
     )
     dataset_split: str = Field("train", description="split of --dataset to read (a single file is the split itself)")
+    tokenizer_chat_template: str | None = Field(
+        None,
+        description="Jinja chat template that replaces the tokenizer's own for --apply_chat_template; the exported "
+        "model's tokenizer carries it, so later stages render prompts the same way",
+    )
 
     def train_world_sizes(self) -> dict[str, int]:
         return {f"--num_nodes {self.num_nodes} × --num_gpus_per_node {self.num_gpus_per_node}": self.world_size}
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        if self.tokenizer_chat_template is not None:
+            if not self.apply_chat_template:
+                # OpenRLHF ignores the template then; a flag that does nothing is refused here.
+                problems.append("--tokenizer_chat_template is used by --apply_chat_template, which is off")
+            else:
+                import jinja2
+                from transformers.utils.chat_template_utils import _compile_jinja_template
+
+                try:  # compiled as apply_chat_template compiles it
+                    _compile_jinja_template(self.tokenizer_chat_template)
+                except jinja2.TemplateSyntaxError as error:
+                    problems.append(f"--tokenizer_chat_template is not a Jinja template: {error.message} "
+                                    f"(line {error.lineno})")
+        return problems
 
 
 class SupervisedKeys(StrictModel):
@@ -602,6 +624,18 @@ class RLConfig(TrainingConfig, PromptConfig):
         description="training guard: warn when the mean response length grows or shrinks by more than this factor "
         "from the first step's",
     )
+    enable_ema: bool = Field(
+        False,
+        description="keep an exponential moving average of the actor's weights (updated after each optimizer step, "
+        "in fp32 host memory) and export it as the stage's output instead of the last actor; rollouts and the "
+        "in-training evaluation use the actor itself",
+    )
+    ema_beta: float = Field(
+        0.992, gt=0, lt=1, description="--enable_ema: average <- ema_beta * average + (1 - ema_beta) * weights",
+    )
+    save_value_network: Annotated[bool, NOT_TRAINING] = Field(
+        False, description="also export the trained critic (gae) as an HF value model to <save_path>_critic",
+    )
     value_clip: float = Field(0.5, gt=0, description="critic value clip range")
     gamma: float = Field(1.0, gt=0, le=1, description="discount factor")
     lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
@@ -747,6 +781,18 @@ class RLConfig(TrainingConfig, PromptConfig):
                 problems.append(f"--kl_estimator {self.kl_estimator} is unused with --init_kl_coef 0 (no KL term)")
             if self.kl_target is not None:
                 problems.append("--kl_target adapts --init_kl_coef, which is 0: set --init_kl_coef > 0")
+        if self.enable_ema:
+            if self.lora_rank:
+                problems.append("--enable_ema averages the actor's full weights: not with --lora_rank (merge the "
+                                "adapters first, or train without EMA)")
+            if self.save_best:
+                problems.append("--enable_ema and --save_best exclude each other: --save_best keeps the evaluated "
+                                "actor, and the averaged weights are never the ones evaluated")
+        elif self.ema_beta != type(self).model_fields["ema_beta"].default:
+            problems.append(f"--ema_beta {self.ema_beta} configures --enable_ema, which is off")
+        if self.save_value_network and not self.uses_critic:
+            problems.append(f"--save_value_network exports the critic, which --advantage_estimator {estimator} "
+                            "does not train (only gae has one)")
         if self.freezing_actor_steps > 0 and not self.uses_critic:
             problems.append(
                 f"--freezing_actor_steps {self.freezing_actor_steps} warms up a critic: it needs --advantage_estimator gae"

@@ -502,11 +502,18 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         metrics.update({"best_step": best["step"], "eval_reward": best["eval_reward"]})
     else:
         roles.actor.run("export", cfg.save_path)
+    if cfg.save_value_network:
+        roles.get("critic").run("export", critic_path(cfg.save_path))
     ds.write_metrics(cfg.save_path, metrics)
     (Path(cfg.save_path) / "history.json").write_text(json.dumps(history, indent=1))
     log.summary(metrics)
     log.close()
     return {"metrics": metrics, "history": history}
+
+
+def critic_path(save_path: str) -> str:
+    """Where --save_value_network writes the critic: beside the actor, as OpenRLHF does."""
+    return str(save_path).rstrip("/") + "_critic"
 
 
 def export_atomically(roles: Roles, directory: Path) -> None:

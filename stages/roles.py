@@ -125,6 +125,40 @@ class PolicyWorker(TrainedRole):
         # Tied parameters travel once; the engines copy them to their other names.
         self._tied = set(getattr(lora.hf_model(self.model), "all_tied_weights_keys", {}) or {})
 
+    def build(self, total_optimizer_steps: int) -> None:
+        super().build(total_optimizer_steps)
+        self.ema = None  # --enable_ema: {HF name: fp32 weight} in rank 0's host memory, from the initial weights
+        if self.cfg.enable_ema:
+            self._update_ema(beta=0.0)
+
+    def _update_ema(self, beta: float) -> None:
+        """Every rank walks the full weights (joining the ZeRO-3 gathers, one module at a time); rank 0 averages."""
+        if self.rank == 0 and self.ema is None:
+            self.ema = {}
+        for name, weight in lora.merged_named_weights(self.engine, device="cpu" if self.rank == 0 else "meta"):
+            if self.rank == 0:
+                if name in self.ema:
+                    algo.ema_update(self.ema[name], weight, beta)
+                else:
+                    self.ema[name] = weight.detach().float().clone()  # never the live weight itself
+
+    def _ema_path(self, step: int):
+        return ds.step_dir(self.cfg.ckpt_path, step) / self.tag / "ema.pt"
+
+    def save_checkpoint(self, step: int, client_state: dict) -> None:
+        super().save_checkpoint(step, client_state)
+        if self.ema is not None:
+            torch.save(self.ema, self._ema_path(step))
+
+    def load_checkpoint(self, step: int) -> dict:
+        client_state = super().load_checkpoint(step)
+        if self.ema is not None:
+            if not self._ema_path(step).is_file():
+                raise StageInputError(f"--enable_ema: the checkpoint of step {step} holds no averaged weights "
+                                      f"({self._ema_path(step)}): it was written without --enable_ema")
+            self.ema = torch.load(self._ema_path(step), weights_only=True)
+        return client_state
+
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
@@ -178,6 +212,9 @@ class PolicyWorker(TrainedRole):
                 totals["policy_loss"] += policy_loss.item()
                 totals["clip_fraction"] += float(algo.masked_sum(clipped, mask)) / step_tokens
                 totals["approx_kl"] += float(algo.masked_sum(old_logp - logp, mask)) / step_tokens
+        if cfg.enable_ema:  # the optimizer stepped at the last micro-batch
+            with torch.no_grad():
+                self._update_ema(cfg.ema_beta)
         return totals
 
     # ---- weight sync to the rollout engines (stages/weight_sync.py)
@@ -225,9 +262,20 @@ class PolicyWorker(TrainedRole):
                 send_bucket(self._sync_group, tensors)
 
     def export(self, save_path: str) -> None:
+        """The actor as an HF model; with --enable_ema its moving average instead."""
         from stages.model_io import load_tokenizer
 
-        ds.export_hf(self.engine, load_tokenizer(self.cfg.pretrain), save_path)
+        tokenizer = load_tokenizer(self.cfg.pretrain)
+        if not self.cfg.enable_ema:
+            ds.export_hf(self.engine, tokenizer, save_path)
+            return
+        if self.rank == 0:
+            from stages.model_io import save_hf
+
+            dtype = _dtype(self.cfg)
+            save_hf(lora.hf_model(self.engine), tokenizer, save_path, None,
+                    {name: average.to(dtype) for name, average in self.ema.items()})
+        torch.distributed.barrier()
 
 
 class CriticWorker(TrainedRole):
@@ -259,6 +307,12 @@ class CriticWorker(TrainedRole):
         device = next(self.engine.module.parameters()).device
         return torch.cat([value_forward(self.engine, micro, self.cfg.packing_samples).cpu()
                           for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, device)])
+
+    def export(self, save_path: str) -> None:
+        """--save_value_network: the critic as an HF value model (its `score` head), loadable as a reward model."""
+        from stages.model_io import load_tokenizer
+
+        ds.export_hf(self.engine.module.model, load_tokenizer(self.cfg.critic_init), save_path)
 
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
         cfg = self.cfg

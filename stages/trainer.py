@@ -65,6 +65,8 @@ class StepTrainer(RankWorker):
 
         self.model_path = resolve_model_path(self.cfg.pretrain)
         self.tokenizer = load_tokenizer(self.model_path)
+        if self.cfg.tokenizer_chat_template is not None:
+            self.tokenizer.chat_template = self.cfg.tokenizer_chat_template
         self.train_examples = self.build_examples(self.cfg.dataset, self.cfg.dataset_split)
         self.eval_examples = (self.build_examples(self.cfg.eval_dataset, self.cfg.eval_split)
                               if self.cfg.eval_dataset else [])

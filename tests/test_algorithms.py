@@ -564,3 +564,14 @@ def test_gspo_clips_one_ratio_per_sequence_and_averages_per_sequence():
     close(loss, -0.147582)
     loss.backward()
     close(logp.grad, [[0.0, 0.0], [0.452419, 0.0]])
+
+
+def test_ema_update_averages_in_place_from_the_initial_weights():
+    """β = 0.9 from w0 = 1.0: after weights 2.0 then 4.0 the average is 0.9·1.1 + 0.1·4 = 1.39."""
+    average = torch.tensor([1.0, -1.0])
+    same = algo.ema_update(average, torch.tensor([2.0, 0.0]), 0.9)
+    assert same is average
+    close(average, [1.1, -0.9])
+    algo.ema_update(average, torch.tensor([4.0, 1.0], dtype=torch.bfloat16), 0.9)
+    close(average, [1.39, -0.71])
+    assert average.dtype == torch.float32

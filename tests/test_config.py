@@ -309,6 +309,16 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("reward_model", [*TINY, "--margin_loss", "--loss", "logexp"], ["--margin_loss needs --loss sigmoid"]),
         ("kto", [*TINY, "--micro_train_batch_size", "1", "--train_batch_size", "16"],
          ["--micro_train_batch_size 1: KTO's KL reference point"]),
+        ("rl", [*TINY, "--ema_beta", "0.9"], ["--ema_beta 0.9 configures --enable_ema, which is off"]),
+        ("rl", [*TINY, "--enable_ema", "--lora_rank", "8"], ["--enable_ema averages the actor's full weights"]),
+        ("rl", [*TINY, "--enable_ema", "--save_best", "--eval_dataset", "e.jsonl", "--eval_steps", "2"],
+         ["--enable_ema and --save_best exclude each other"]),
+        ("rl", [*TINY, "--advantage_estimator", "rloo", "--save_value_network"],
+         ["--save_value_network exports the critic, which --advantage_estimator rloo does not train"]),
+        ("sft", [*TINY, "--no_apply_chat_template", "--tokenizer_chat_template", "{{ messages }}"],
+         ["--tokenizer_chat_template is used by --apply_chat_template, which is off"]),
+        ("dpo", [*TINY, "--tokenizer_chat_template", "{% for m in messages %}{{ m.content }}"],
+         ["--tokenizer_chat_template is not a Jinja template: Unexpected end of template", "(line 1)"]),
     ],
 )
 def test_impossible_combinations_are_rejected_naming_the_flags(capsys, stage, argv, named):

@@ -15,11 +15,12 @@ import pytest
 import yaml
 
 from stages.cli import parse_stage_args
+from stages.model_io import load_value_model
 from pipeline.rehearsal import StandIns, rehearse_stage
 
 from conftest import free_port
 from faults import latest_checkpoint, run_killed_at_checkpoint, stage_command
-from stage_runs import history_of, max_weight_change, metrics_of, run_stage
+from stage_runs import history_of, max_weight_change, metrics_of, run_stage, weights
 from test_config import SEED_PPO, stage_argv
 from test_rewards import RewardServer
 
@@ -43,12 +44,16 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     """PPO (gae) with the critic started from the reward model, actor+ref and critic+reward colocated."""
     policy, proc = rl(tmp_path, sft_model, assets, *PPO, "--reward_pretrain", reward_model, "--max_samples", 800,
                       "--no_colocate_all_models", "--colocate_actor_ref", "--colocate_critic_reward",
-                      "--save_steps", 5)
+                      "--save_steps", 5, "--save_value_network")
     assert "roles {'actor': 1, 'critic': 1, 'ref': 1, 'reward': 1} + 1 engine(s)" in proc.stdout
     history = history_of(policy)
     assert len(history) == 25
     first, last = history[:5], history[-5:]
     assert sum(r["critic_loss"] for r in last) < sum(r["critic_loss"] for r in first), "the critic does not fit"
+    # --save_value_network: the trained critic beside the actor, a value model with its own (moved) head.
+    critic = load_value_model(f"{policy}_critic", trained_head=True)
+    start = load_value_model(reward_model, trained_head=True)
+    assert float((critic.score.weight - start.score.weight).abs().max()) > 1e-4
     checkpoint = tmp_path / "run" / "ckpt" / "step00000025"
     assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir()
 
@@ -66,10 +71,11 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
 
 def test_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model, reward_model):
     """Hybrid engine (everything colocated) with an adaptive KL controller: killed after the checkpoint of step 3,
-    restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt position, RNG).
+    restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt position, RNG), and
+    so does the output, the actor's moving average (--enable_ema), which the restart reads back from the checkpoint.
     (Exact resume over two ranks, ZeRO-2 and ZeRO-3, is tests/test_stages.py's.)"""
     flags = (*PPO, "--reward_pretrain", reward_model, "--max_samples", 192, "--save_steps", 3, "--kl_target", "1.0",
-             "--colocate_all_models")
+             "--colocate_all_models", "--enable_ema", "--ema_beta", "0.5")
     full, _ = rl(tmp_path, sft_model, assets, *flags, name="full")
     resumed_dir = tmp_path / "resumed"
     run_killed_at_checkpoint(stage_command("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
@@ -108,6 +114,21 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
     assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + 0.4, metrics
     best = tmp_path / "run" / "ckpt" / "best"
     assert max_weight_change(best, policy) == 0.0
+
+
+def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, assets, sft_model):
+    """--enable_ema --ema_beta 0.75 over one optimizer step (ZeRO-3: the averaged weights are gathered): the output
+    is 0.75 × the SFT weights + 0.25 × the actor a run without EMA trains from the same seed (EMA never changes
+    training)."""
+    flags = ("--remote_rm_url", RULE_REWARD, "--max_samples", 32, "--zero_stage", 3)
+    actor, _ = rl(tmp_path, sft_model, assets, *flags, name="actor")
+    averaged, _ = rl(tmp_path, sft_model, assets, *flags, "--enable_ema", "--ema_beta", "0.75", name="ema")
+    assert len(history_of(averaged)) == 1 and max_weight_change(sft_model, actor) > 1e-4  # one Adam step: ~lr
+    start, trained, ema = weights(sft_model), weights(actor), weights(averaged)
+    assert ema.keys() == trained.keys()
+    for name, value in trained.items():
+        expected = 0.75 * start[name] + 0.25 * value
+        assert float((ema[name] - expected).abs().max()) < 1e-6, name
 
 
 @pytest.mark.parametrize(

@@ -292,8 +292,11 @@ def test_lora_sft_on_conversations_exports_an_adapter_and_a_merged_model(assets,
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "lora"
+    # The tokenizer's own template, system prompts dropped: the exported tokenizer carries the one trained with.
+    template = tiny.CHAT_TEMPLATE.replace("{{ message['content'] + '\\n' }}", "")
+    assert template != tiny.CHAT_TEMPLATE
     run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["chat_train"], "--input_key", "messages",
-              "--multiturn", "--max_len", 96, "--max_samples", 512, "--max_epochs", 1, "--learning_rate", "3e-3",
+              "--tokenizer_chat_template", template, "--multiturn", "--max_len", 96, "--max_samples", 512, "--max_epochs", 1, "--learning_rate", "3e-3",
               "--lora_rank", 8, "--lora_alpha", 16, "--zero_stage", 3, "--packing_samples", "--save_path", out,
               "--ckpt_path", tmp_path / "ckpt", "--logging_steps", 4)
     metrics = metrics_of(out)
@@ -303,6 +306,7 @@ def test_lora_sft_on_conversations_exports_an_adapter_and_a_merged_model(assets,
     assert max_weight_change(assets["model"], out) > 1e-3
 
     tokenizer = load_tokenizer(out)
+    assert tokenizer.chat_template == template
     prompts = [data.format_prompt(tokenizer, q, True) for q in ("What is 2 plus 3?", "Add 7 and 1.", "Sum 4 with 4.")]
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
