@@ -45,7 +45,8 @@ from stages.cli import flag_words
 from stages.config import STAGE_CONFIGS, StageConfig
 from stages.errors import DataValidationError, StageInputError
 from stages.fields import Dataset, Launcher, Output, RewardSource, fields_with, names_with
-from stages.fingerprint import HubUnavailable, dataset_fingerprint, pin_hub_revision, unpinned_hub_dataset
+from stages.fingerprint import (HubUnavailable, dataset_fingerprint, mixture_parts, pin_hub_revision,
+                                unpinned_hub_dataset)
 from stages.placement import bundle_resources, group_bundles
 
 PLAN_ROWS = 64  # rows of each dataset whose schema the plan checks
@@ -215,10 +216,9 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
     checks = []
     values = cfg.model_dump()
     datasets = sorted(fields_with(type(cfg), Dataset).items(), key=lambda item: item[1].held_out)  # training first
-    for field, role in datasets:
-        source = values[field]
-        if not source:
-            continue
+    parts = [(field, role, source) for field, role in datasets if values[field]
+             for source in mixture_parts(values[field])]  # a mixture: each of its datasets
+    for field, role, source in parts:
         if unpinned_hub_dataset(source):  # pin_hub_datasets could not tell its revision and said so
             checks.append(DatasetCheck(field=field, source=source, fingerprint=f"hub:{source}@unknown",
                                        schema_check=f"not checked: {HUB_UNREACHABLE}"))

@@ -35,6 +35,7 @@ from typing import Any
 from pipeline.config import PipelineConfig, shape_inputs, validate_pipeline
 from stages.config import OFFLINE_STAGES, STAGE_CONFIGS
 from stages.fields import Dataset, ModelPath, fields_with
+from stages.fingerprint import mixture_parts
 
 MAX_RANKS = 2
 PROMPT_MAX_LEN = 48  # the tiny model has 128 positions; the task's prompts are under 40 tokens
@@ -228,7 +229,9 @@ def _data_swaps(stage: str, values: dict, stand_ins: StandIns) -> list[tuple[str
         rows = fixture_rows(stage, values, _rows(stand_ins, ROW_KINDS[stage], split))
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         columns = ", ".join(repr(column) for column in rows[0])
-        swaps.append((field, str(path), f"tiny {ROW_KINDS[stage]} rows in the same format (columns {columns})"))
+        # One stand-in per dataset of a mixture: its sampling probabilities still apply.
+        stand_in = ",".join([str(path)] * len(mixture_parts(values.get(field) or str(path))))
+        swaps.append((field, stand_in, f"tiny {ROW_KINDS[stage]} rows in the same format (columns {columns})"))
     return swaps
 
 

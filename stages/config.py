@@ -79,6 +79,34 @@ def _eval_split(default: str) -> Any:
     return Field(default, description="split of --eval_dataset to read (a single file is the split itself)")
 
 
+def _mixture_probs(sources_flag: str) -> Any:
+    return Field(
+        None,
+        description=f"sampling probabilities of the comma-separated datasets of --{sources_flag} (e.g. 0.7,0.3): "
+        "they are interleaved, seeded, until each is used up; unset: read one after the other",
+    )
+
+
+def parse_probabilities(sources: str | None, probs: str | None, sources_flag: str, flag: str,
+                        problems: list[str]) -> list[float] | None:
+    """--dataset_probs "0.7,0.3" as floats, one per dataset of the mixture, positive, summing to 1."""
+    if probs is None:
+        return None
+    try:
+        values = [float(part) for part in probs.split(",")]
+    except ValueError:
+        problems.append(f"--{flag} {probs!r}: expected comma-separated numbers, e.g. 0.7,0.3")
+        return None
+    count = len(sources.split(",")) if sources else 0
+    if count < 2:
+        problems.append(f"--{flag} mixes datasets: give --{sources_flag} as a comma-separated list of two or more")
+    elif len(values) != count:
+        problems.append(f"--{flag} has {len(values)} probabilities for the {count} datasets of --{sources_flag}")
+    if any(value <= 0 for value in values) or abs(sum(values) - 1) > 1e-6:
+        problems.append(f"--{flag} {probs}: each probability must be > 0 and together they must sum to 1")
+    return values
+
+
 # ---------------------------------------------------------------- shared field groups
 
 class StageConfig(StrictModel):
@@ -192,7 +220,8 @@ class TrainingConfig(StageConfig):
     max_epochs: Annotated[int, RUN_OVERRIDE] = _max_epochs(1)
     max_len: int | None = _max_len(2048)
     eval_dataset: Annotated[str | None, Dataset(split="eval_split", held_out=True), NOT_TRAINING] = Field(
-        None, description="held-out dataset: hub name, local json/jsonl/parquet or s3:// URI",
+        None, description="held-out dataset: hub name, local json/jsonl/parquet or s3:// URI; a comma-separated list "
+        "is read one after the other",
     )
     eval_split: Annotated[str, NOT_TRAINING] = _eval_split("test")
     lora_rank: int = Field(
@@ -258,9 +287,11 @@ class OfflineTrainingConfig(RankLayout, TrainingConfig):
         -1, description="rank on this node, passed by the deepspeed launcher (--local_rank=N)",
     )
     dataset: Annotated[str | None, Dataset(split="dataset_split")] = Field(
-        None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI",
+        None, description="training dataset: hub name, local json/jsonl/parquet or s3:// URI; a comma-separated list "
+        "mixes several (see --dataset_probs)",
     )
     dataset_split: str = Field("train", description="split of --dataset to read (a single file is the split itself)")
+    dataset_probs: str | None = _mixture_probs("dataset")
     tokenizer_chat_template: str | None = Field(
         None,
         description="Jinja chat template that replaces the tokenizer's own for --apply_chat_template; the exported "
@@ -270,8 +301,13 @@ class OfflineTrainingConfig(RankLayout, TrainingConfig):
     def train_world_sizes(self) -> dict[str, int]:
         return {f"--num_nodes {self.num_nodes} × --num_gpus_per_node {self.num_gpus_per_node}": self.world_size}
 
+    @property
+    def dataset_probabilities(self) -> list[float] | None:
+        return parse_probabilities(self.dataset, self.dataset_probs, "dataset", "dataset_probs", [])
+
     def _problems(self) -> list[str]:
         problems = super()._problems()
+        parse_probabilities(self.dataset, self.dataset_probs, "dataset", "dataset_probs", problems)
         if self.tokenizer_chat_template is not None:
             if not self.apply_chat_template:
                 # OpenRLHF ignores the template then; a flag that does nothing is refused here.
@@ -311,7 +347,8 @@ class PromptConfig(StageConfig):
     required_inputs = (("pretrain",), ("prompt_data",), ("reward_pretrain", "remote_rm_url"))
 
     prompt_data: Annotated[str | None, Dataset(split="prompt_split")] = Field(
-        None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI",
+        None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI; a comma-separated list "
+        "mixes several (RL: see --prompt_data_probs)",
     )
     prompt_split: str = Field("train", description="split of --prompt_data to read (a single file is the split itself)")
     input_key: str = Field(
@@ -497,6 +534,7 @@ class RLConfig(TrainingConfig, PromptConfig):
         None, description="initial critic for gae; unset: --reward_pretrain, or --pretrain with --remote_rm_url",
     )
     ckpt_path: OutputPath = _ckpt_path("./ckpt/checkpoints_ppo_ray")
+    prompt_data_probs: str | None = _mixture_probs("prompt_data")
     eval_split: Annotated[str, NOT_TRAINING] = _eval_split("train")
     max_len: int | None = Field(
         None, ge=2,
@@ -646,6 +684,10 @@ class RLConfig(TrainingConfig, PromptConfig):
         return self.max_len or self.prompt_max_len + self.generate_max_len
 
     @property
+    def prompt_data_probabilities(self) -> list[float] | None:
+        return parse_probabilities(self.prompt_data, self.prompt_data_probs, "prompt_data", "prompt_data_probs", [])
+
+    @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
 
@@ -706,6 +748,7 @@ class RLConfig(TrainingConfig, PromptConfig):
         problems = super()._problems()
         problems += self._placement_problems()
         problems += self._algorithm_problems()
+        parse_probabilities(self.prompt_data, self.prompt_data_probs, "prompt_data", "prompt_data_probs", problems)
         samples = self.rollout_batch_size * self.n_samples_per_prompt
         if samples % self.train_batch_size:
             problems.append(

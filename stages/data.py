@@ -40,7 +40,7 @@ from pandera.errors import SchemaErrors
 
 from infra.artifacts import StoreSettings, StoreUnreachable, retrying, storage_options_from_env
 from stages.errors import DataValidationError, SourceUnavailable
-from stages.fingerprint import split_revision
+from stages.fingerprint import mixture_parts, split_revision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -97,6 +97,36 @@ def load_rows(
     if max_samples is not None:
         rows = rows.select(range(min(max_samples, len(rows))))
     return rows
+
+
+def load_mixture(
+    source: str, *, split: str = "train", max_samples: int | None = None, probabilities: list[float] | None = None,
+    seed: int = 42, validate: Callable[[datasets.Dataset, str], None] | None = None,
+) -> datasets.Dataset:
+    """OpenRLHF's dataset mixtures: `source` is one dataset or a comma-separated list, each part read as load_rows
+    reads one (its first `max_samples` rows) and checked by `validate(rows, part)`. Parts are concatenated in order,
+    or with `probabilities` (--dataset_probs) interleaved, seeded, until every part is exhausted; the mixture keeps
+    its first `max_samples` rows."""
+    parts = mixture_parts(source)
+    tables = []
+    for part in parts:
+        rows = load_rows(part, split=split, max_samples=max_samples)
+        if validate is not None:
+            validate(rows, part)
+        tables.append(rows)
+    if len(tables) == 1:
+        return tables[0]
+    columns = "; ".join(f"{part}: {', '.join(rows.column_names)}" for part, rows in zip(parts, tables))
+    if len({tuple(sorted(rows.column_names)) for rows in tables}) > 1:  # datasets would fill the gaps with None
+        raise DataValidationError(f"{source}: the datasets of this mixture do not share their columns ({columns})")
+    try:
+        mixed = (datasets.interleave_datasets(tables, probabilities=probabilities, seed=seed,
+                                              stopping_strategy="all_exhausted")
+                 if probabilities else datasets.concatenate_datasets(tables))
+    except ValueError as error:
+        raise DataValidationError(f"{source}: the datasets of this mixture do not share their column types "
+                                  f"({columns}): {error}") from error
+    return mixed.select(range(min(max_samples, len(mixed)))) if max_samples is not None else mixed
 
 
 def _is_local_path(path: str) -> bool:
@@ -375,7 +405,8 @@ def validate_sources(cfg, validate: Callable[[datasets.Dataset, str], None]) -> 
     """Load and validate --dataset and --eval_dataset in a stage's driver, so bad data fails before any rank trains."""
     for source, split in ((cfg.dataset, cfg.dataset_split), (cfg.eval_dataset, cfg.eval_split)):
         if source is not None:
-            validate(load_rows(source, split=split, max_samples=cfg.max_samples), source)
+            for part in mixture_parts(source):
+                validate(load_rows(part, split=split, max_samples=cfg.max_samples), part)
 
 
 def validate_prompt_rows(cfg, rows: datasets.Dataset, source: str) -> None:

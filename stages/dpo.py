@@ -66,8 +66,7 @@ def dpo_terms(policy_log_probs: list[torch.Tensor], ref_log_probs: list[torch.Te
 class DPOWorker(ReferenceStepTrainer):
     stage = "dpo"
 
-    def build_examples(self, source: str, split: str) -> list[dict]:
-        rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
+    def build_examples(self, rows) -> list[dict]:
         return build_examples(self.cfg, self.tokenizer, rows)
 
     def pair_terms(self, examples) -> dict[str, torch.Tensor]:

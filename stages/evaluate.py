@@ -164,8 +164,8 @@ def run(cfg) -> dict[str, Any]:
     from stages.config import EvaluateConfig
     from stages.model_io import load_tokenizer, resolve_model_path
 
-    rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    validate_rows(cfg, rows, cfg.prompt_data)
+    rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
+                             validate=lambda part_rows, part: validate_rows(cfg, part_rows, part))
     models = {"policy": cfg.pretrain, "reference": cfg.ref_pretrain, "production": cfg.production_pretrain}
     models = {name: resolve_model_path(path) for name, path in models.items() if path}
     tokenizer = load_tokenizer(models["policy"])

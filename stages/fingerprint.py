@@ -36,6 +36,11 @@ class HubUnavailable(SourceUnavailable):
     """The hub did not tell a dataset's revision (no network, an outage): the run cannot pin what it would read."""
 
 
+def mixture_parts(source: str) -> list[str]:
+    """The datasets a source names: one, or a comma-separated mixture (OpenRLHF's `--dataset a.jsonl,org/b`)."""
+    return [part.strip() for part in source.split(",")]
+
+
 def split_revision(path: str) -> tuple[str, str | None]:
     """`"org/name#sha"` -> ("org/name", "sha"); anything else -> (path, None)."""
     match = _REVISION.match(path)
@@ -54,7 +59,9 @@ def hub_dataset_name(source: str) -> str | None:
 
 
 def unpinned_hub_dataset(source: str) -> bool:
-    """Whether `source` names a hub dataset without a revision."""
+    """Whether `source` names a hub dataset without a revision (in a mixture: any of its parts)."""
+    if "," in source:
+        return any(unpinned_hub_dataset(part) for part in mixture_parts(source))
     match = _SPLIT_SUFFIX.match(source)
     path = match["path"] if match else source
     return hub_dataset_name(source) is not None and split_revision(path)[1] is None
@@ -62,7 +69,9 @@ def unpinned_hub_dataset(source: str) -> bool:
 
 def pin_hub_revision(source: str) -> str:
     """`source` with a hub dataset pinned to its current revision (`org/name#<sha>[@split]`); other sources and
-    pinned ones unchanged. HubUnavailable when the hub does not answer."""
+    pinned ones unchanged (in a mixture: each part). HubUnavailable when the hub does not answer."""
+    if "," in source:
+        return ",".join(pin_hub_revision(part) for part in mixture_parts(source))
     if not unpinned_hub_dataset(source):
         return source
     match = _SPLIT_SUFFIX.match(source)
@@ -71,7 +80,10 @@ def pin_hub_revision(source: str) -> str:
 
 
 def dataset_fingerprint(source: str) -> str:
-    """A short string that changes when the data behind `source` changes (see the module docstring)."""
+    """A short string that changes when the data behind `source` changes (see the module docstring); a mixture's
+    is its parts' in order."""
+    if "," in source:
+        return " + ".join(dataset_fingerprint(part) for part in mixture_parts(source))
     match = _SPLIT_SUFFIX.match(source)
     path = (match["path"] if match else source).removeprefix("file://")
     if path.startswith("s3://"):

@@ -80,8 +80,7 @@ def kto_terms(policy_sums: torch.Tensor, ref_sums: torch.Tensor, kl_estimate: to
 class KTOWorker(ReferenceStepTrainer):
     stage = "kto"
 
-    def build_examples(self, source: str, split: str) -> list[dict]:
-        rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
+    def build_examples(self, rows) -> list[dict]:
         return build_examples(self.cfg, self.tokenizer, rows)
 
     def micro_terms(self, examples: list[dict], average_kl_over_ranks: bool) -> dict[str, torch.Tensor]:

@@ -71,8 +71,7 @@ class RewardModelWorker(StepTrainer):
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 
-    def build_examples(self, source: str, split: str) -> list[dict]:
-        rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
+    def build_examples(self, rows) -> list[dict]:
         return build_examples(self.cfg, self.tokenizer, rows)
 
     def pair_rewards(self, examples) -> tuple[torch.Tensor, torch.Tensor]:

@@ -397,12 +397,15 @@ def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
     from stages.model_io import load_tokenizer
 
     reward_source = reward_source_of(cfg)
-    rows = data.load_rows(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples)
-    validate_rows(cfg, rows, cfg.prompt_data)
+    def validate(rows, source: str) -> None:
+        validate_rows(cfg, rows, source)
+
+    rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
+                             probabilities=cfg.prompt_data_probabilities, seed=cfg.seed, validate=validate)
     eval_rows = None
     if cfg.eval_dataset:
-        eval_rows = data.load_rows(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples)
-        validate_rows(cfg, eval_rows, cfg.eval_dataset)
+        eval_rows = data.load_mixture(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples,
+                                      validate=validate)
     tokenizer = load_tokenizer(cfg.pretrain)
     prompt_options = dict(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
                           prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)

@@ -55,8 +55,7 @@ class SFTWorker(StepTrainer):
         attn = attn_implementation(self.cfg, self.device)
         return load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn), ds_config)
 
-    def build_examples(self, source: str, split: str) -> list[dict]:
-        rows = data.load_rows(source, split=split, max_samples=self.cfg.max_samples)
+    def build_examples(self, rows) -> list[dict]:
         return build_examples(self.cfg, self.tokenizer, rows)
 
     def step_normalizer(self, examples: list[dict]) -> float:

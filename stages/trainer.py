@@ -42,7 +42,7 @@ class StepTrainer(RankWorker):
 
     # ---- hooks
     def load_train_model(self, ds_config: dict) -> torch.nn.Module: ...
-    def build_examples(self, source: str, split: str) -> list[dict]: ...
+    def build_examples(self, rows) -> list[dict]: ...
     def step_normalizer(self, examples: list[dict]) -> float:
         """The step's global count its loss is divided by: its examples (pairs, samples) unless overridden."""
         return float(len(examples))
@@ -61,15 +61,20 @@ class StepTrainer(RankWorker):
         self.cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
         ds.seed_everything(self.cfg.seed)
+        from stages import data
         from stages.model_io import load_tokenizer, resolve_model_path
 
         self.model_path = resolve_model_path(self.cfg.pretrain)
         self.tokenizer = load_tokenizer(self.model_path)
         if self.cfg.tokenizer_chat_template is not None:
             self.tokenizer.chat_template = self.cfg.tokenizer_chat_template
-        self.train_examples = self.build_examples(self.cfg.dataset, self.cfg.dataset_split)
-        self.eval_examples = (self.build_examples(self.cfg.eval_dataset, self.cfg.eval_split)
-                              if self.cfg.eval_dataset else [])
+        cfg = self.cfg
+        self.train_examples = self.build_examples(data.load_mixture(
+            cfg.dataset, split=cfg.dataset_split, max_samples=cfg.max_samples,
+            probabilities=cfg.dataset_probabilities, seed=cfg.seed))
+        self.eval_examples = (self.build_examples(data.load_mixture(cfg.eval_dataset, split=cfg.eval_split,
+                                                                    max_samples=cfg.max_samples))
+                              if cfg.eval_dataset else [])
         self.steps_per_epoch = len(self.train_examples) // self.cfg.train_batch_size
         if self.steps_per_epoch == 0:
             raise StageInputError(

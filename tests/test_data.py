@@ -64,6 +64,32 @@ def test_load_rows_selects_split_of_a_directory(tmp_path):
         data.load_rows(f"{tmp_path}@validation")
 
 
+def test_a_mixture_is_read_in_order_or_interleaved_by_its_probabilities(tmp_path):
+    """OpenRLHF's --dataset a,b: concatenated; with --dataset_probs interleaved (seeded) until each part is used up;
+    max_samples caps each part and the mixture."""
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "response": "x"} for i in range(6)])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "response": "y"} for i in range(3)])
+    source = f"{first}, {second}"
+    assert [r["prompt"] for r in data.load_mixture(source)] == [*(f"a{i}" for i in range(6)), "b0", "b1", "b2"]
+    assert [r["prompt"] for r in data.load_mixture(source, max_samples=4)] == ["a0", "a1", "a2", "a3"]
+    mixed = [r["prompt"] for r in data.load_mixture(source, probabilities=[0.5, 0.5], seed=1)]
+    assert set(mixed) == {*(f"a{i}" for i in range(6)), "b0", "b1", "b2"}  # every row, the shorter part repeated
+    assert mixed[:4] != ["a0", "a1", "a2", "a3"] and mixed == [
+        r["prompt"] for r in data.load_mixture(source, probabilities=[0.5, 0.5], seed=1)]
+    assert [r for r in mixed if r.startswith("a")][:6] == [f"a{i}" for i in range(6)]  # each part keeps its order
+    seen: list[str] = []
+    data.load_mixture(source, validate=lambda rows, part: seen.append(part))
+    assert seen == [str(first), str(second)]  # each part is checked on its own (its row numbers are its own)
+
+
+def test_a_mixture_of_datasets_with_other_columns_is_refused_naming_them(tmp_path):
+    first = write_jsonl(tmp_path / "a.jsonl", SFT_ROWS)
+    other = write_jsonl(tmp_path / "b.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(DataValidationError, match=r"do not share their columns.*a.jsonl: prompt, response.*"
+                                                   r"b.jsonl: question, answer"):
+        data.load_mixture(f"{first},{other}")
+
+
 def test_split_source_parses_suffix():
     assert data.split_source("org/name@validation[:100]") == ("org/name", "validation[:100]")
     assert data.split_source("s3://bucket/sft.jsonl") == ("s3://bucket/sft.jsonl", "train")

@@ -102,6 +102,18 @@ def test_sft_resume_after_crash_repeats_the_uninterrupted_losses(sft_model, asse
     assert max_weight_change(sft_model, tmp_path / "model") < 1e-5
 
 
+def test_sft_trains_on_a_mixture_interleaved_by_its_probabilities(assets, tmp_path):
+    """OpenRLHF's --dataset a,b --dataset_probs: the ranks read the seeded interleaving of both datasets."""
+    mixture, probs = f"{assets['sft_train']},{assets['sft_eval']}", "0.75,0.25"
+    proc = run_stage("sft", "--pretrain", assets["model"], "--dataset", mixture, "--dataset_probs", probs,
+                     "--max_samples", 96, "--max_epochs", 1, "--save_path", tmp_path / "model",
+                     "--ckpt_path", tmp_path / "ckpt", "--num_gpus_per_node", 2)
+    expected = data.load_mixture(mixture, max_samples=96, probabilities=[0.75, 0.25], seed=42)
+    assert {row["prompt"] for row in data.load_rows(assets["sft_eval"])} & {row["prompt"] for row in expected}
+    assert f'"train_examples": {len(expected)}' in proc.stdout
+    assert len(history_of(tmp_path / "model")) == len(expected) // 32
+
+
 def test_checkpoints_of_another_run_are_refused(sft_model, assets, tmp_path):
     """A stage pointed at checkpoints it did not write stops before training, naming what differs."""
     proc = run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"],
