@@ -501,3 +501,27 @@ def test_a_wandb_key_given_as_openrlhf_takes_it_is_refused_without_being_echoed(
     with pytest.raises(SystemExit):
         parse_stage_args("rl", ["--use_wandb=canary-wandb-key-123"], require_inputs=False)
     assert "canary" not in capsys.readouterr().err
+
+
+def test_a_mixture_is_fingerprinted_and_pinned_part_by_part(tmp_path):
+    """The stage key changes when any dataset of a mixture changes, and with its probabilities; a hub part is
+    pinned on its own, the files beside it unchanged."""
+    from stages.fingerprint import dataset_fingerprint, pin_hub_revision
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"prompt": "a", "response": "x"}\n')
+    second.write_text('{"prompt": "b", "response": "y"}\n')
+    mixture = f"{first},{second}"
+    cfg = parse_stage_args("sft", [*TINY, "--pretrain", "p", "--dataset", mixture, "--dataset_probs", "0.5,0.5"])
+    assert cfg.dataset_probabilities == [0.5, 0.5]
+
+    def key(config) -> str:
+        return stage_identity("tiny", "sft", config, {}, code="c").key
+
+    before, fingerprint = key(cfg), dataset_fingerprint(mixture)
+    assert fingerprint == f"{dataset_fingerprint(str(first))} + {dataset_fingerprint(str(second))}"
+    assert key(cfg.model_copy(update={"dataset_probs": "0.6,0.4"})) != before
+    second.write_text('{"prompt": "b", "response": "z"}\n')
+    assert dataset_fingerprint(mixture) != fingerprint and key(cfg) != before
+    pinned = "org/data#" + "0" * 40 + "@test"
+    assert pin_hub_revision(f"{first}, {pinned}") == f"{first},{pinned}"
