@@ -1,4 +1,4 @@
-"""The benchmark harness in its quick form: the RL stage and the supervised stages measured, a table and JSON written.
+"""The benchmark harness in its quick form: the RL stage and SFT measured, a table and JSON written.
 
 TRL's side runs only where the `bench` extra is installed; without it the table says so and the rest still runs.
 """
@@ -29,8 +29,7 @@ def test_quick_bench_writes_the_table_and_json(tmp_path):
     assert ours["samples_per_s"] > 0 and 0 < ours["startup_seconds"] < ours["command_seconds"]
     assert PHASES <= set(ours["phases"]), ours["phases"]
     assert all(ours["phases"][name] >= 0 for name in PHASES)
-    for name in ("sft", "reward_model", "dpo"):
-        assert results["supervised"][name]["tokens_per_s"] > 0
+    assert list(results["supervised"]) == ["sft"] and results["supervised"]["sft"]["tokens_per_s"] > 0
     trl = results["rl"]["tiny"]["trl"]
     if importlib.util.find_spec("trl") is None:
         assert trl is None and "not installed" in results["table"]
