@@ -9,9 +9,9 @@ What each model holds on a GPU, by role:
 - frozen (reference, reward model): the weights (partitioned with ZeRO-3), and a forward's activations.
 - engines (vLLM): --vllm_gpu_memory_utilization of each engine GPU, weights and KV cache together.
 Activations of one training micro-batch of b sequences of s tokens, hidden size h, L layers, vocabulary V: with
-gradient checkpointing each layer keeps its input (b·s·h 16-bit values) and one layer at a time is recomputed
-whole; without, each layer keeps about 17·b·s·h values (Korthikanti et al. 2022, with FlashAttention's O(s)
-attention); the actor adds its logits and their fp32 log-softmax, b·s·V·(2 + 4) bytes.
+gradient checkpointing each layer keeps its input (b·s·h values, 2 bytes each with bf16, 4 in fp32) and one layer
+at a time is recomputed whole; without, each layer keeps about 17·b·s·h values (Korthikanti et al. 2022, with
+FlashAttention's O(s) attention); the actor adds its logits and their fp32 log-softmax, b·s·V·(2 + 4) bytes.
 
 With --colocate_all_models every model shares the same GPUs and the phases take turns (stages/placement.py): the
 peak is the largest phase, each phase being its own model's working memory plus what stays resident. Engines
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 GIB = 2**30
 # Architectures whose MLP has three matrices (gate, up, down) rather than two.
 GATED_MLP = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2")
-ACTIVATION_VALUES_PER_LAYER = 17  # ≈ 34 bytes per b·s·h in 16-bit, with O(s) attention
+ACTIVATION_VALUES_PER_LAYER = 17  # ≈ 34 bytes per b·s·h in bf16, with O(s) attention
 CONTEXT_GIB = 1.0  # CUDA context and allocator slack per process, said in the table
 
 
@@ -76,9 +76,9 @@ class RoleMemory:
         return self.states + self.activations + self.engine
 
 
-def _layer_activations(shape: ModelShape, tokens: int) -> float:
-    """Bytes one layer keeps for backward (or a forward holds at a time) over `tokens` tokens, 16-bit values."""
-    return ACTIVATION_VALUES_PER_LAYER * tokens * shape.hidden * 2
+def _layer_activations(shape: ModelShape, tokens: int, value_bytes: int) -> float:
+    """Bytes one layer keeps for backward (or a forward holds at a time) over `tokens` tokens."""
+    return ACTIVATION_VALUES_PER_LAYER * tokens * shape.hidden * value_bytes
 
 
 def _logits(shape: ModelShape, tokens: int, value_bytes: int) -> float:
@@ -96,8 +96,9 @@ def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int,
         memory.gradients = n * value_bytes / (ranks if zero_stage >= 2 else 1)
         memory.optimizer = 0.0 if adam_offload else n * (12 if bf16 else 8) / (ranks if zero_stage >= 1 else 1)
     tokens = micro_batch * seq_len
-    layer = _layer_activations(shape, tokens)
-    kept = shape.layers * tokens * shape.hidden * 2 + layer if gradient_checkpointing else shape.layers * layer
+    layer = _layer_activations(shape, tokens, value_bytes)
+    kept = (shape.layers * tokens * shape.hidden * value_bytes + layer if gradient_checkpointing
+            else shape.layers * layer)
     memory.activations = kept + (_logits(shape, tokens, value_bytes) if with_logits else 0)
     return memory
 
@@ -108,7 +109,8 @@ def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, 
     tokens = micro_batch * seq_len
     memory = RoleMemory(role, weights=shape.params * value_bytes / (ranks if zero_stage == 3 else 1))
     # A forward keeps one layer's activations at a time, plus the logits it reads log-probs from.
-    memory.activations = _layer_activations(shape, tokens) + (_logits(shape, tokens, value_bytes) if with_logits else 0)
+    memory.activations = (_layer_activations(shape, tokens, value_bytes)
+                          + (_logits(shape, tokens, value_bytes) if with_logits else 0))
     return memory
 
 

@@ -230,6 +230,10 @@ def test_memory_of_a_trained_and_a_frozen_model_worked_numbers():
     assert zero2.activations == 10 * 17 * 100 * 1000 * 2 + 6e4  # every layer kept whole
     frozen = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, micro_batch=2, seq_len=50, with_logits=True)
     assert (frozen.weights, frozen.gradients, frozen.optimizer) == (2.5e8, 0.0, 0.0)
+    # fp32: 4-byte activations (10.8e6), logits 100 × 100 × (4 + 4).
+    fp32 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True,
+                          **{**common, "bf16": False})
+    assert fp32.activations == 10.8e6 + 8e4
 
 
 def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest():
