@@ -21,12 +21,13 @@ from pipeline.rehearsal import StandIns, rehearse_stage
 from conftest import free_port
 from faults import latest_checkpoint, run_killed_at_checkpoint, stage_command
 from stage_runs import history_of, max_weight_change, metrics_of, run_stage, weights
-from test_config import SEED_PPO, stage_argv
+from test_config import SEED_GRPO, SEED_PPO, SEED_PPO_HYBRID, stage_argv
 from test_rewards import RewardServer
 
 pytestmark = pytest.mark.slow
 
 RULE_REWARD = "stages/tiny_reward.py"
+SEED_COMMANDS = {"SEED_PPO_HYBRID": SEED_PPO_HYBRID, "SEED_PPO": SEED_PPO, "SEED_GRPO": SEED_GRPO}
 # PPO on the tiny task: 4 samples per prompt (one optimizer step of 128 per rollout), the KL in the reward (k1),
 # rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
 PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
@@ -169,27 +170,37 @@ def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sf
     assert "reward_func in" in proc.stderr and "nan_reward.py returned non-finite rewards (nan) at index 3" in proc.stderr
 
 
-def test_the_seed_ppo_command_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model):
-    """The seed's PPO command (Workflow 1 step 2, our module path: hybrid engine, ZeRO-3, bf16, sleep modes) runs
-    two rollouts with only the stated swaps. (The llama3-8b preset's RL section is rehearsed, in its pipeline, by
-    tests/test_pipeline.py.)"""
-    preset = parse_stage_args("rl", stage_argv(SEED_PPO)[1], require_inputs=False).model_dump(mode="json")
+@pytest.mark.parametrize("command", ["SEED_PPO_HYBRID", "SEED_PPO", "SEED_GRPO"])
+def test_the_seed_rl_commands_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model, command):
+    """Each of the seed's three RL commands (our module path: the quick start's hybrid engine with packing and
+    gradient checkpointing, Workflow 1's PPO, Workflow 2's GRPO) runs two rollouts with only the stated swaps, every
+    flag meaning what it means in OpenRLHF. (The llama3-8b presets' RL sections are rehearsed, in their pipelines,
+    by tests/test_pipeline.py.)"""
+    argv = stage_argv(SEED_COMMANDS[command])[1]
+    preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
     stand_ins = StandIns(base_model=str(assets["model"]), policy_model=str(sft_model), reward_model=str(reward_model),
                          data_dir=assets["prompts_train"].parent, fixtures_dir=tmp_path / "fixtures")
     values, swaps = rehearse_stage("rl", preset, stand_ins)
     swapped = {swap.field for swap in swaps}
     assert {"advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "vllm_enable_sleep",
-            "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef"}.isdisjoint(swapped)
+            "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef", "packing_samples", "gradient_checkpointing",
+            "use_kl_loss", "kl_estimator", "no_advantage_std_norm"}.isdisjoint(swapped)
     config = tmp_path / "rl.yaml"
     config.write_text(yaml.safe_dump({k: v for k, v in values.items() if k not in ("save_path", "ckpt_path")}))
     out = tmp_path / "run"
     proc = run_stage("rl", "--save_path", out / "model", "--ckpt_path", out / "ckpt", config=str(config))
-    assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
-    for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
-        assert f"--{flag} has no effect on CPU" in proc.stdout
     history = history_of(out / "model")
-    assert len(history) == 2 and all(math.isfinite(r["critic_loss"]) for r in history)
-    assert max_weight_change(sft_model, out / "model") > 0
+    assert len(history) == 2 and max_weight_change(sft_model, out / "model") > 0
+    if command == "SEED_GRPO":
+        assert "roles {'actor': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
+        assert values["n_samples_per_prompt"] == 8  # unset in the command (the note is said where it is parsed)
+        assert "--no_advantage_std_norm has no effect with --advantage_estimator group_norm" in proc.stdout
+        assert all(math.isfinite(r["kl_loss"]) for r in history)
+    else:
+        assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
+        assert all(math.isfinite(r["critic_loss"]) for r in history)
+        for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
+            assert f"--{flag} has no effect on CPU" in proc.stdout
 
 
 def ragged_prompts(path: Path, out: Path, seed: int) -> Path:
