@@ -54,7 +54,7 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     # --save_value_network: the trained critic beside the actor, a value model with its own (moved) head.
     critic = load_value_model(f"{policy}_critic", trained_head=True)
     start = load_value_model(reward_model, trained_head=True)
-    assert float((critic.score.weight - start.score.weight).abs().max()) > 1e-4
+    assert float((critic.score.weight - start.score.weight).detach().abs().max()) > 1e-4
     checkpoint = tmp_path / "run" / "ckpt" / "step00000025"
     assert (checkpoint / "actor").is_dir() and (checkpoint / "critic").is_dir()
 
