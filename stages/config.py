@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from stages.estimators import ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 from stages.fields import LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, Dataset, GpuOnly, ModelPath
+from stages.fingerprint import mixture_parts
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -97,7 +98,7 @@ def parse_probabilities(sources: str | None, probs: str | None, sources_flag: st
     except ValueError:
         problems.append(f"--{flag} {probs!r}: expected comma-separated numbers, e.g. 0.7,0.3")
         return None
-    count = len(sources.split(",")) if sources else 0
+    count = len(mixture_parts(sources)) if sources else 0
     if count < 2:
         problems.append(f"--{flag} mixes datasets: give --{sources_flag} as a comma-separated list of two or more")
     elif len(values) != count:
