@@ -4,6 +4,10 @@ tiny pipeline end to end, all in one run on this machine.
     python -m bench                      # full: tiny and ~18M-parameter models, 25 and 5 steps, pipeline
     python -m bench --quick              # tiny model, 2 steps, SFT alone, no pipeline (what the test runs)
 
+Our RL stage also runs with --async_train (rollouts one step ahead) beside a synchronous run on the same placement
+(the full bench; the quick one compares with the hybrid-engine run): loop seconds, accuracy, and how much of the
+loop generation and reward took, which async overlaps with training.
+
 Both RL sides get the same model, prompts, rule reward and budget: GRPO, 32 prompts x 4 samples per step, one
 optimizer step per rollout, learning rate 3e-4, KL 0.01 (k3, in the loss), temperature 1. TRL runs where `trl` is
 installed (the `bench` extra) and is skipped otherwise. Prints a table of ratios and writes it as JSON.
@@ -71,8 +75,13 @@ def stage(name: str, *flags) -> tuple[float, dict]:
     return seconds, json.loads((save_path / "metrics.json").read_text())
 
 
-def ours_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict:
-    out = work / f"rl-{case.name}"
+# Async beside sync on the same placement: async cannot share the actor's GPUs with the engines (hybrid engine).
+VARIANTS = {"sync": (), "separate": ("--no_colocate_all_models",),
+            "async": ("--no_colocate_all_models", "--async_train", "--async_queue_size", 1)}
+
+
+def ours_rl(case: RLCase, model: str, assets: dict, work: Path, variant: str = "sync") -> dict:
+    out = work / f"rl-{case.name}-{variant}"
     wall, metrics = stage(
         "rl", "--pretrain", model, "--remote_rm_url", "stages/tiny_reward.py", "--prompt_data", assets["prompts_train"],
         "--eval_dataset", assets["prompts_eval"], "--eval_n_samples_per_prompt", 0,
@@ -81,14 +90,16 @@ def ours_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict:
         "--train_batch_size", PROMPTS_PER_STEP * SAMPLES_PER_PROMPT, "--actor_learning_rate", LEARNING_RATE,
         "--generate_max_len", case.new_tokens, "--max_samples", PROMPTS_PER_STEP * case.steps,
         "--rollout_backend", case.rollout_backend,
-        "--save_path", out / "model", "--ckpt_path", out / "ckpt",
+        "--save_path", out / "model", "--ckpt_path", out / "ckpt", *VARIANTS[variant],
     )
     phases = {k.removeprefix("seconds/"): v for k, v in metrics.items() if k.startswith("seconds/")}
     startup = {k.removeprefix("startup/"): v for k, v in metrics.items() if k.startswith("startup/")}
     return {"command_seconds": wall, "startup_seconds": metrics["startup_seconds"], "startup": startup,
             "loop_seconds": metrics["train_seconds"],
             "samples_per_s": PROMPTS_PER_STEP * SAMPLES_PER_PROMPT * case.steps / metrics["train_seconds"],
-            "eval_accuracy": metrics.get("eval_reward"), "phases": phases}
+            "eval_accuracy": metrics.get("eval_reward"), "phases": phases,
+            # Work that ran on the engines beside the training loop (async), as a share of the loop's seconds.
+            "generation_share": (phases.get("generation", 0) + phases.get("reward", 0)) / metrics["train_seconds"]}
 
 
 def trl_rl(case: RLCase, model: str, assets: dict, work: Path) -> dict | None:
@@ -151,6 +162,20 @@ def table(results: dict) -> str:
         lines.append(f"| {name}: loop seconds by phase ({split}) | {_fmt(ours['phases'].get('step'))} | | |")
         parts = ", ".join(f"{part} {seconds:.1f}" for part, seconds in ours["startup"].items())
         lines.append(f"| {name}: RL stage start-up seconds ({parts}) | {_fmt(ours['startup_seconds'])} | | |")
+    lines += ["", "| measurement | synchronous | async (queue 1) | ratio (async / sync, higher is better for async) |",
+              "|---|---|---|---|"]
+    for name, case in results["rl"].items():
+        sync, later = case.get("separate", case["ours"]), case["async"]
+        placement = "separate placements" if "separate" in case else "sync hybrid engine, async separate"
+        rows = [("training loop samples/s", "samples_per_s", False), ("training loop seconds", "loop_seconds", True),
+                ("held-out greedy accuracy", "eval_accuracy", False),
+                ("generation + reward seconds / loop seconds", "generation_share", False)]
+        for label, key, lower_is_better in rows:
+            mine, other = later[key], sync[key]
+            ratio = "" if not other or mine is None else f"{(other / mine if lower_is_better else mine / other):.2f}x"
+            lines.append(f"| {name} ({placement}): {label} | {_fmt(other)} | {_fmt(mine)} | {ratio} |")
+        lines.append(f"| {name}: seconds the trainer waited for rollouts (async) | | "
+                     f"{_fmt(later['phases'].get('rollout_wait'))} | |")
     for name, result in results.get("supervised", {}).items():
         lines.append(f"| {name}: tokens/s (2 ranks) | {_fmt(result['tokens_per_s'])} | | |")
     if "pipeline" in results:
@@ -198,6 +223,9 @@ def measure(quick: bool, work: Path) -> dict:
         model = models[case.model]
         results["rl"][case.name] = {"case": case.__dict__, "ours": ours_rl(case, model, assets, work),
                                     "trl": trl_rl(case, model, assets, work)}
+        # Quick: async beside the hybrid sync run; full: also sync on async's placement, the fair comparison.
+        for variant in ("async",) if quick else ("separate", "async"):
+            results["rl"][case.name][variant] = ours_rl(case, model, assets, work, variant)
     # Quick: SFT alone (the three stages share the measured loop; each costs a stage start-up).
     results["supervised"] = supervised(assets, models.get("sft", assets["model"]), work, steps=2 if quick else 20,
                                        stages=SUPERVISED[:1] if quick else SUPERVISED)

@@ -354,6 +354,34 @@ def gspo_policy_loss(
                        eps_clip_low, eps_clip_high, dual_clip)
 
 
+IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+
+
+def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kind: str, low: float,
+                       high: float) -> tuple[Tensor, Tensor]:
+    """Importance weights of the trainer's policy over the engines' (the policy that sampled) -> (weights,
+    affected), both [B, T]: multiply the token losses by the weights (no gradient flows through them).
+
+    r = exp(old_logp - rollout_logp) per token;
+      tis:          w = clamp(r, low, high), affected where r was clamped;
+      icepop:       w = r where low <= r <= high, else 0 (the token is dropped), affected where dropped;
+      seq-mask-tis: a sequence whose geometric-mean ratio exp(mean of its log r) lies outside [low, high] is
+                    dropped whole; the others keep w = r unclamped (OpenRLHF's code), affected on dropped ones.
+    """
+    if kind not in IS_CORRECTION_TYPES:
+        raise ValueError(f"unknown IS correction {kind!r}: one of {IS_CORRECTION_TYPES}")
+    log_ratio = (old_logp.float() - rollout_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).detach()
+    ratio = log_ratio.exp()
+    if kind == "tis":
+        return ratio.clamp(low, high), ((ratio < low) | (ratio > high)).float() * mask
+    if kind == "icepop":
+        kept = (ratio >= low) & (ratio <= high)
+        return ratio * kept, (~kept).float() * mask
+    sequence_ratio = masked_mean(log_ratio, mask, dim=-1).exp()
+    kept = ((sequence_ratio >= low) & (sequence_ratio <= high)).float().unsqueeze(-1)
+    return ratio * kept, (1.0 - kept).expand_as(ratio) * mask
+
+
 def aggregate_sequence_loss(loss_t: Tensor, mask: Tensor, num_sequences: float) -> Tensor:
     """Sequence mean: each sequence's token-mean loss, summed, over the ``num_sequences`` of the whole optimizer
     step (every micro-batch on every rank), so accumulation gives the same gradient however the step is split."""

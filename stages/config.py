@@ -646,6 +646,34 @@ class RLConfig(TrainingConfig, PromptConfig):
     dynamic_filtering_reward_range: tuple[float, float] = Field(
         (0.0, 1.0), description="a group is kept when low < mean score of its samples < high",
     )
+    async_train: bool = Field(
+        False,
+        description="generate the next rollouts while the actor trains on the current ones (OpenRLHF's async "
+        "trainer): the rollout of step k is sampled by the policy of step k - --async_queue_size, exactly, so runs "
+        "repeat and resume like synchronous ones",
+    )
+    async_queue_size: int = Field(
+        1, ge=1, description="--async_train: rollouts generated ahead of training, i.e. policy versions a rollout lags",
+    )
+    vllm_generate_batch_size: int | None = Field(
+        None, ge=1,
+        description="prompts per generate call when a rollout needs new samples; above --rollout_batch_size "
+        "(needs --async_train) the extra groups are kept for the following steps; unset: --rollout_batch_size",
+    )
+    enable_vllm_is_correction: bool = Field(
+        False,
+        description="off-policy correction: weigh each token's policy loss by the ratio of the trainer's probability "
+        "to the rollout engine's (the policy that sampled, an older one with --async_train), truncated or masked "
+        "as --vllm_is_correction_type says; with --policy_loss_type gspo the engines' log-probs are the ratio's base",
+    )
+    vllm_is_correction_type: Literal["tis", "icepop", "seq-mask-tis"] = Field(
+        "tis",
+        description="tis: clamp token ratios to --vllm_is_truncated_threshold; icepop: drop tokens outside it; "
+        "seq-mask-tis: drop sequences whose geometric-mean ratio lies outside it",
+    )
+    vllm_is_truncated_threshold: tuple[float, float] = Field(
+        (0.5, 5.0), description="low and high bounds of the importance ratio (--enable_vllm_is_correction)",
+    )
     save_best: bool = Field(
         False,
         description="keep the actor with the best held-out greedy reward (evaluated every --eval_steps) and make "
@@ -687,6 +715,15 @@ class RLConfig(TrainingConfig, PromptConfig):
     @property
     def prompt_data_probabilities(self) -> list[float] | None:
         return parse_probabilities(self.prompt_data, self.prompt_data_probs, "prompt_data", "prompt_data_probs", [])
+
+    @property
+    def generate_batch_size(self) -> int:
+        return self.vllm_generate_batch_size or self.rollout_batch_size
+
+    @property
+    def queue_size(self) -> int:
+        """Rollouts generated ahead of training: 0 for synchronous training."""
+        return self.async_queue_size if self.async_train else 0
 
     @property
     def uses_critic(self) -> bool:
@@ -851,6 +888,7 @@ class RLConfig(TrainingConfig, PromptConfig):
             low, high = self.dynamic_filtering_reward_range
             if low >= high:
                 problems.append(f"--dynamic_filtering_reward_range {low} {high}: low must be below high")
+        problems += self._off_policy_problems()
         if self.save_best and not (self.eval_dataset and self.eval_steps > 0):
             problems.append("--save_best keeps the best evaluated actor: it needs --eval_dataset and --eval_steps > 0")
         low, high = self.reward_clip_range
@@ -863,6 +901,35 @@ class RLConfig(TrainingConfig, PromptConfig):
                 f"--overlong_buffer_len {self.overlong_buffer_len} must be below --generate_max_len "
                 f"{self.generate_max_len}"
             )
+        return problems
+
+    def _off_policy_problems(self) -> list[str]:
+        problems = []
+        defaults = type(self).model_fields
+        if not self.async_train:
+            if self.async_queue_size != defaults["async_queue_size"].default:
+                problems.append(f"--async_queue_size {self.async_queue_size} configures --async_train, which is off")
+            if self.generate_batch_size > self.rollout_batch_size:
+                problems.append(f"--vllm_generate_batch_size {self.vllm_generate_batch_size} > --rollout_batch_size "
+                                f"{self.rollout_batch_size} keeps groups for later steps: it needs --async_train")
+        else:
+            if self.colocate_all_models:
+                problems.append("--async_train generates while the actor trains, and --colocate_all_models puts the "
+                                "engines on the actor's GPUs, both in memory at once; colocate the DeepSpeed models "
+                                "only (--colocate_actor_ref, --colocate_critic_reward)")
+            if self.vllm_enable_sleep:
+                problems.append("--async_train keeps the engines generating: not with --vllm_enable_sleep")
+        if self.generate_batch_size < self.rollout_batch_size:
+            problems.append(f"--vllm_generate_batch_size {self.vllm_generate_batch_size} is below --rollout_batch_size "
+                            f"{self.rollout_batch_size}: a generate call would not fill one rollout")
+        if not self.enable_vllm_is_correction:
+            for flag in ("vllm_is_correction_type", "vllm_is_truncated_threshold"):
+                if getattr(self, flag) != defaults[flag].default:
+                    problems.append(f"--{flag} configures --enable_vllm_is_correction, which is off")
+        low, high = self.vllm_is_truncated_threshold
+        if not 0 <= low < 1 < high:
+            problems.append(f"--vllm_is_truncated_threshold {low} {high}: needs 0 <= low < 1 < high (a ratio of 1, "
+                            "trainer and engine agreeing, must pass)")
         return problems
 
 

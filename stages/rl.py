@@ -10,6 +10,7 @@ One step, as the driver runs it:
   4. advantages and returns (stages/algorithms.py), then `max_epochs` passes of PPO updates of the critic and
      the actor in optimizer steps of `train_batch_size` samples, the KL either in the reward or in the loss;
   5. send the actor's new weights to the engines; evaluate, warn on drift, checkpoint every `save_steps`.
+With --async_train steps 1-2 run on a thread of their own, --async_queue_size steps ahead (stages/rollout_queue.py).
 
     python -m stages.rl --config tiny --pretrain ./sft --remote_rm_url reward.py --prompt_data prompts.jsonl \
         --advantage_estimator group_norm --use_kl_loss --kl_estimator k3 --save_path ./policy
@@ -18,6 +19,7 @@ One step, as the driver runs it:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -37,13 +39,17 @@ from stages.launch import note_limits, stage_main
 from stages.rewards import RewardBatch, reward_source_of
 from stages.roles import Roles
 from stages.rollout import Rollout, generate_across
+from stages.rollout_queue import RolloutQueue
 from stages.sequences import build_sequences, chunks, split_rows
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
 
 # Phases that follow one another within a step; whatever else the step took is reported as idle.
 SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "training", "weight_sync", "evaluation",
                      "checkpoint")
-ACTOR_KEYS = ("input_ids", "attention_mask", "action_mask", "old_logp", "ref_logp", "advantages")
+# With --async_train generation and reward overlap training: a step is made of these and its wait for rollouts.
+ASYNC_TRAINER_PHASES = ("rollout_wait", "experience", "advantages", "training", "weight_sync", "evaluation",
+                        "checkpoint")
+ACTOR_KEYS = ("input_ids", "attention_mask", "action_mask", "old_logp", "ref_logp", "rollout_logp", "advantages")
 CRITIC_KEYS = ("input_ids", "attention_mask", "action_mask", "old_values", "returns")
 
 
@@ -95,56 +101,111 @@ class Scorer:
 
 
 @dataclass
-class RolloutBatch:
-    """`rollout_batch_size` groups of `n` samples each, and what it took to fill them."""
+class PromptGroup:
+    """The `n` scored samples of one prompt and the policy version that sampled them."""
 
-    rollouts: list[Rollout] = field(default_factory=list)
-    labels: list[str] = field(default_factory=list)
-    rewards: list[RewardBatch] = field(default_factory=list)
+    rollouts: list[Rollout]
+    labels: list[str]
+    rewards: RewardBatch
+    policy_version: int
+
+
+@dataclass
+class RolloutBatch:
+    """`rollout_batch_size` groups of `n` samples each, what it took to fill them, and where the prompt stream and
+    the groups kept for later steps stood once it was full (what a checkpoint after it resumes from)."""
+
+    groups: list[PromptGroup] = field(default_factory=list)
     prompts_sampled: int = 0
     groups_filtered: int = 0
     reward_failed_samples: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    prompt_position: int = 0
+    carried: list[PromptGroup] = field(default_factory=list)
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return [r for g in self.groups for r in g.rollouts]
+
+    @property
+    def labels(self) -> list[str]:
+        return [label for g in self.groups for label in g.labels]
+
+    @property
+    def rewards(self) -> list[RewardBatch]:
+        return [g.rewards for g in self.groups]
 
 
-def collect_rollouts(cfg, roles: Roles, stream: PromptStream, scorer: Scorer, step: int,
-                     timer: PhaseTimer) -> RolloutBatch | None:
-    """Sample and score prompt groups until the rollout is full; None when the prompt stream runs out first."""
-    n = cfg.n_samples_per_prompt
-    low, high = cfg.dynamic_filtering_reward_range
-    batch = RolloutBatch()
-    groups, attempt = 0, 0
-    while groups < cfg.rollout_batch_size:
-        prompts = stream.take(cfg.rollout_batch_size - groups)
-        if not prompts:
-            return None
-        batch.prompts_sampled += len(prompts)
-        with timer.phase("generation"):
-            rollouts = generate_across(roles.engines, [p["prompt"] for p in prompts],
-                                       seed=cfg.seed * 100_003 + step * 101 + attempt * 7, n=n,
-                                       max_new_tokens=cfg.generate_max_len, temperature=cfg.temperature,
-                                       top_p=cfg.top_p, max_total_len=cfg.max_len)
-        labels = [prompts[i // n]["label"] for i in range(len(rollouts))]
-        if cfg.vllm_enable_sleep and scorer.reward_group is not None:
-            roles.engines_call("sleep")  # the reward model scores on the GPUs the engines free
-        with timer.phase("reward"):
-            rewards = scorer(rollouts, labels)
-        if bool(rewards.failed.all()):
-            raise RewardUnavailableError(f"no sample of step {step + 1} got a reward: " + "; ".join(rewards.errors[-3:]))
-        for g in range(len(prompts)):
-            group = slice(g * n, (g + 1) * n)
-            if bool(rewards.failed[group].any()):
-                batch.reward_failed_samples += n
-                continue
-            if cfg.dynamic_filtering and not low < float(rewards.scores[group].mean()) < high:
-                batch.groups_filtered += 1
-                continue
-            batch.rollouts += rollouts[group]
-            batch.labels += labels[group]
-            batch.rewards.append(RewardBatch(rewards.rewards[group], rewards.scores[group], rewards.failed[group],
-                                             rewards.extra_logs))
-            groups += 1
-        attempt += 1
-    return batch
+class RolloutCollector:
+    """Samples and scores prompt groups until a rollout is full. With --vllm_generate_batch_size above
+    --rollout_batch_size a generate call samples more prompts than one rollout needs; the extra groups are kept
+    (`carried`) and fill the next rollouts first."""
+
+    def __init__(self, cfg, roles: Roles, stream: PromptStream, scorer: Scorer, carried: list[PromptGroup]):
+        self.cfg, self.roles, self.stream, self.scorer, self.carried = cfg, roles, stream, scorer, list(carried)
+
+    def collect(self, step: int, policy_version: int) -> RolloutBatch | None:
+        """The rollout of `step`; None when the prompt stream runs out first."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        low, high = cfg.dynamic_filtering_reward_range
+        timer = PhaseTimer()
+        batch = RolloutBatch(groups=self.carried[: cfg.rollout_batch_size])
+        self.carried = self.carried[cfg.rollout_batch_size :]
+        attempt = 0
+        while len(batch.groups) < cfg.rollout_batch_size:
+            missing = cfg.rollout_batch_size - len(batch.groups)
+            prompts = self.stream.take(max(missing, cfg.generate_batch_size) if attempt == 0 else missing)
+            if not prompts:
+                return None
+            batch.prompts_sampled += len(prompts)
+            with timer.phase("generation"):
+                rollouts = generate_across(self.roles.engines, [p["prompt"] for p in prompts],
+                                           seed=cfg.seed * 100_003 + step * 101 + attempt * 7, n=n,
+                                           max_new_tokens=cfg.generate_max_len, temperature=cfg.temperature,
+                                           top_p=cfg.top_p, max_total_len=cfg.max_len,
+                                           logprobs=cfg.enable_vllm_is_correction)
+            labels = [prompts[i // n]["label"] for i in range(len(rollouts))]
+            if cfg.vllm_enable_sleep and self.scorer.reward_group is not None:
+                self.roles.engines_call("sleep")  # the reward model scores on the GPUs the engines free
+            with timer.phase("reward"):
+                rewards = self.scorer(rollouts, labels)
+            if bool(rewards.failed.all()):
+                raise RewardUnavailableError(f"no sample of step {step + 1} got a reward: "
+                                             + "; ".join(rewards.errors[-3:]))
+            for g in range(len(prompts)):
+                group = slice(g * n, (g + 1) * n)
+                if bool(rewards.failed[group].any()):
+                    batch.reward_failed_samples += n
+                    continue
+                if cfg.dynamic_filtering and not low < float(rewards.scores[group].mean()) < high:
+                    batch.groups_filtered += 1
+                    continue
+                kept = PromptGroup(rollouts[group], labels[group], RewardBatch(
+                    rewards.rewards[group], rewards.scores[group], rewards.failed[group], rewards.extra_logs),
+                    policy_version)
+                (batch.groups if len(batch.groups) < cfg.rollout_batch_size else self.carried).append(kept)
+            attempt += 1
+        batch.timings = timer.take()
+        batch.prompt_position, batch.carried = self.stream.position, list(self.carried)
+        return batch
+
+
+def rollout_state(pending: list[RolloutBatch], newest: RolloutBatch) -> dict[str, Any]:
+    """Plain data (tensors, lists, numbers) for a checkpoint: the rollouts produced ahead of training and the
+    groups kept for later steps once the `newest` rollout was produced."""
+    return {"pending": [{**dataclasses.asdict(batch), "carried": []} for batch in pending],
+            "carried": [dataclasses.asdict(group) for group in newest.carried]}
+
+
+def restored_batch(state: dict[str, Any]) -> RolloutBatch:
+    fields = {**state, "groups": [restored_group(g) for g in state["groups"]],
+              "carried": [restored_group(g) for g in state["carried"]]}
+    return RolloutBatch(**fields)
+
+
+def restored_group(state: dict[str, Any]) -> PromptGroup:
+    return PromptGroup([Rollout(**r) for r in state["rollouts"]], state["labels"], RewardBatch(**state["rewards"]),
+                       state["policy_version"])
 
 
 def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
@@ -172,6 +233,11 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
     experience = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
                                  pad_token_id)
     mask = experience["action_mask"]
+    if cfg.enable_vllm_is_correction:
+        experience["rollout_logp"] = torch.zeros_like(mask)
+        for row, r in enumerate(rollouts):
+            start = len(r.prompt_ids) - 1
+            experience["rollout_logp"][row, start : start + len(r.response_ids)] = torch.tensor(r.logprobs)
     reward_batch = RewardBatch.concat(batch.rewards)
     lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float32)
     truncated = torch.tensor([r.finish_reason == "length" for r in rollouts])
@@ -424,6 +490,8 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
               else algo.FixedKLController(cfg.init_kl_coef))
     kl_ctl.value = client_state.get("kl_coef", kl_ctl.value)
     stream = PromptStream(prompts, cfg.seed, cfg.num_episodes, client_state.get("prompt_position", 0))
+    queued = client_state.get("rollout_queue", {})
+    collector = RolloutCollector(cfg, roles, stream, scorer, [restored_group(g) for g in queued.get("carried", [])])
     best = client_state.get("best")  # {"step", "eval_reward"} of the actor kept in <ckpt_path>/best
     best_dir = Path(cfg.ckpt_path) / "best"
     timer = PhaseTimer()
@@ -438,9 +506,12 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
     started = time.time()
     drifting: set[str] = set()
     stopped_early = None
+    # A thread of its own produces the rollouts --async_queue_size steps ahead (none: each when its step asks).
+    rollouts = RolloutQueue(collector.collect, start_step, total_steps, cfg.queue_size,
+                            [restored_batch(b) for b in queued.get("pending", [])])
     for step in range(start_step, total_steps):
         step_started = time.perf_counter()
-        batch = collect_rollouts(cfg, roles, stream, scorer, step, timer)
+        batch = rollouts.take(step)
         if batch is None:
             stopped_early = (f"the prompt stream ran out at step {step + 1} of {total_steps} (dynamic filtering "
                              "dropped too many groups)")
@@ -454,11 +525,16 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         record.setdefault("kl", 0.0)  # no reference model: no KL
         check_finite(record, step, cfg.ckpt_path)
         kl_ctl.update(record["kl"], len(batch.rollouts))
-        if actor_moved:
+
+        def sync_weights() -> None:
             with timer.phase("weight_sync"):
                 roles.sync_weights()
+
+        rollouts.update_weights(sync_weights if actor_moved else None)
+        lags = [step - group.policy_version for group in batch.groups]
         record = {"step": step + 1, **record, "prompts_sampled": batch.prompts_sampled,
-                  "groups_filtered": batch.groups_filtered, "reward_failed_samples": batch.reward_failed_samples}
+                  "groups_filtered": batch.groups_filtered, "reward_failed_samples": batch.reward_failed_samples,
+                  "policy_lag": sum(lags) / len(lags), "policy_lag_max": max(lags)}
         if eval_prompts and cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0:
             with timer.phase("evaluation"):
                 record.update(evaluate_held_out(cfg, roles, eval_prompts, scorer))
@@ -479,8 +555,11 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         saved = cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0
         if saved:
             with timer.phase("checkpoint"):
+                pending = rollouts.pending(step + 1)  # produced ahead: a resumed run trains on these first
+                newest = pending[-1] if pending else batch
                 state = {"history": history, "kl_coef": kl_ctl.value, "eval_reward_initial": eval_initial,
-                         "prompt_position": stream.position, "best": best}
+                         "prompt_position": newest.prompt_position, "best": best,
+                         "rollout_queue": rollout_state(pending, newest)}
                 refs = roles.actor.run_async("save_checkpoint", step + 1, state)
                 if roles.get("critic") is not None:
                     refs += roles.get("critic").run_async("save_checkpoint", step + 1, {})
@@ -488,10 +567,18 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
                 ds.commit_checkpoint(cfg.ckpt_path, step + 1, cfg.max_ckpt_num)
         step_seconds = time.perf_counter() - step_started
         record.update(throughput(experience, step_seconds))
+        # Generation and reward of this rollout; with --async_train they overlapped earlier steps' training,
+        # and the time this step waited for them is its rollout_wait.
+        record.update(batch.timings)
         record.update(timer.take())
-        record["time/idle"] = round(step_seconds - sum(record.get(f"time/{p}", 0.0) for p in SEQUENTIAL_PHASES), 4)
+        phases = SEQUENTIAL_PHASES
+        if cfg.async_train:
+            record["time/rollout_wait"] = round(rollouts.take_waited(), 4)
+            phases = ASYNC_TRAINER_PHASES
+        record["time/idle"] = round(step_seconds - sum(record.get(f"time/{p}", 0.0) for p in phases), 4)
         record["time/step"] = round(step_seconds, 4)
         log.log(step + 1, record)
+    rollouts.close()
 
     metrics = final_metrics(cfg, history, start_step, total_steps, started, startup, eval_initial, best)
     if stopped_early:

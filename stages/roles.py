@@ -185,13 +185,25 @@ class PolicyWorker(TrainedRole):
             logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
                                              with_entropy=cfg.entropy_loss_coef is not None)
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
+            rollout_logp = micro.get("rollout_logp")
             if cfg.policy_loss_type == "gspo":
-                loss_t, clipped = algo.gspo_policy_loss(logp, old_logp, micro["advantages"], mask, eps_low, eps_high,
+                # GSPO's sequence ratio is taken to the policy that sampled when the correction is on (OpenRLHF).
+                base = old_logp if rollout_logp is None else rollout_logp
+                loss_t, clipped = algo.gspo_policy_loss(logp, base, micro["advantages"], mask, eps_low, eps_high,
                                                         cfg.dual_clip)
                 policy_loss = algo.aggregate_sequence_loss(loss_t, mask, step_sequences)
             else:
                 loss_t, clipped = algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high,
                                                    cfg.dual_clip)
+                if rollout_logp is not None:
+                    low, high = cfg.vllm_is_truncated_threshold
+                    weights, affected = algo.rollout_correction(old_logp, rollout_logp, mask,
+                                                                cfg.vllm_is_correction_type, low, high)
+                    loss_t = loss_t * weights
+                    with torch.no_grad():
+                        for key, value in (("is_weight", weights), ("is_affected_fraction", affected),
+                                           ("vllm_kl", rollout_logp - old_logp)):
+                            totals[key] = totals.get(key, 0.0) + float(algo.masked_sum(value, mask)) / step_tokens
                 policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
             loss = policy_loss
             if cfg.use_kl_loss:

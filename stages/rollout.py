@@ -5,8 +5,9 @@ Two implementations of one interface, each run as a Ray actor by `create_rollout
     in-process; weights are reloaded in place through the workers' `reload_weights`.
   - `HFEngine`: transformers `generate`, the fallback where vLLM is not installed.
 Both tokenize prompts the same way and decode responses with the same tokenizer, so on the same weights their
-greedy outputs and log-probs agree. Log-probs are the model's own (log-softmax of the raw logits) for the sampled
-tokens: temperature and top_p shape sampling only, as in the trainer's `token_log_probs(logits, labels)`.
+greedy outputs and log-probs agree. Log-probs are those of the distribution each token was sampled from (logits /
+temperature, renormalised over the top_p nucleus): with top_p 1 they equal the trainer's `policy_forward` at the
+same temperature, and their difference from it is what the off-policy correction of stages.rl weighs.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ class VLLMEngine:
             # CUDA graphs do not exist on CPU.
             enforce_eager=enforce_eager or not use_gpu,
             enable_prefix_caching=enable_prefix_caching,
+            logprobs_mode="processed_logprobs",  # of the sampling distribution, as the module docstring says
             worker_extension_cls="stages.weight_sync.VLLMWeightReceiver",
             **({} if use_gpu else whole_prompt_prefill(max_model_len)),
         )
@@ -319,12 +321,12 @@ class HFEngine:
                 attention_mask=batch["attention_mask"].to(self.device),
                 max_new_tokens=max(budgets[i] for i in chunk),
                 return_dict_in_generate=True,
-                output_logits=logprobs,
+                output_scores=logprobs,  # after temperature and top_p, as vLLM's processed log-probs
                 **sampling,
             )
             generated = out.sequences[:, batch["input_ids"].shape[1] :].cpu()
             if logprobs:
-                step_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
+                step_logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
                 token_logprobs = step_logprobs.gather(-1, generated[..., None])[..., 0]
             for row, prompt_index in enumerate(chunk):
                 ids = generated[row].tolist()[: budgets[prompt_index]]

@@ -575,3 +575,29 @@ def test_ema_update_averages_in_place_from_the_initial_weights():
     algo.ema_update(average, torch.tensor([4.0, 1.0], dtype=torch.bfloat16), 0.9)
     close(average, [1.39, -0.71])
     assert average.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind, weights, affected", [
+    # Token ratios exp(old - rollout): [0.25, 1, 2, 8] and [8, 8, pad], thresholds [0.5, 5].
+    ("tis", [[0.5, 1.0, 2.0, 5.0], [5.0, 5.0, 0.5, 0.5]], [[1, 0, 0, 1], [1, 1, 0, 0]]),
+    ("icepop", [[0.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]], [[1, 0, 0, 1], [1, 1, 0, 0]]),
+    # Geometric means: (0.25 * 1 * 2 * 8) ** (1/4) = 1.41 kept unclamped; 8 dropped whole.
+    ("seq-mask-tis", [[0.25, 1.0, 2.0, 8.0], [0.0, 0.0, 0.0, 0.0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+])
+def test_rollout_correction_worked_rows(kind, weights, affected):
+    ratios = torch.tensor([[0.25, 1.0, 2.0, 8.0], [8.0, 8.0, 0.01, 0.01]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
+    rollout_logp = torch.full((2, 4), -1.5)
+    got_weights, got_affected = algo.rollout_correction(rollout_logp + ratios.log(), rollout_logp, mask, kind,
+                                                        0.5, 5.0)
+    torch.testing.assert_close(got_weights * mask, torch.tensor(weights) * mask)
+    torch.testing.assert_close(got_affected, torch.tensor(affected, dtype=torch.float32))
+    assert not got_weights.requires_grad
+
+
+def test_rollout_correction_is_one_where_the_trainer_agrees_with_the_engines():
+    logp = torch.randn(3, 5, requires_grad=True)
+    for kind in algo.IS_CORRECTION_TYPES:
+        weights, affected = algo.rollout_correction(logp, logp.detach(), torch.ones(3, 5), kind, 0.5, 5.0)
+        torch.testing.assert_close(weights, torch.ones(3, 5))
+        assert float(affected.sum()) == 0

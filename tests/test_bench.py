@@ -36,3 +36,6 @@ def test_quick_bench_writes_the_table_and_json(tmp_path):
     else:
         assert trl["samples_per_s"] > 0 and "x |" in results["table"]
     assert "training loop samples/s" in proc.stdout and "tokens/s" in proc.stdout
+    later = results["rl"]["tiny"]["async"]
+    assert later["samples_per_s"] > 0 and later["phases"]["rollout_wait"] >= 0 and 0 < later["generation_share"]
+    assert "async (queue 1)" in results["table"] and "seconds the trainer waited for rollouts" in results["table"]

@@ -323,6 +323,18 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
          ["--enable_ema and --save_best exclude each other"]),
         ("rl", [*TINY, "--advantage_estimator", "rloo", "--save_value_network"],
          ["--save_value_network exports the critic, which --advantage_estimator rloo does not train"]),
+        ("rl", [*TINY, "--async_train"], ["--async_train generates while the actor trains, and "
+                                          "--colocate_all_models puts the engines on the actor's GPUs"]),
+        ("rl", [*TINY, "--async_queue_size", "2"], ["--async_queue_size 2 configures --async_train, which is off"]),
+        ("rl", [*TINY, "--vllm_generate_batch_size", "64"],
+         ["--vllm_generate_batch_size 64 > --rollout_batch_size 32 keeps groups for later steps: it needs "
+          "--async_train"]),
+        ("rl", [*TINY, "--vllm_generate_batch_size", "16"], ["--vllm_generate_batch_size 16 is below "
+                                                              "--rollout_batch_size 32"]),
+        ("rl", [*TINY, "--vllm_is_correction_type", "icepop"],
+         ["--vllm_is_correction_type configures --enable_vllm_is_correction, which is off"]),
+        ("rl", [*TINY, "--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "1.5", "5"],
+         ["--vllm_is_truncated_threshold 1.5 5.0: needs 0 <= low < 1 < high"]),
         ("sft", [*TINY, "--no_apply_chat_template", "--tokenizer_chat_template", "{{ messages }}"],
          ["--tokenizer_chat_template is used by --apply_chat_template, which is off"]),
         ("dpo", [*TINY, "--tokenizer_chat_template", "{% for m in messages %}{{ m.content }}"],

@@ -34,6 +34,9 @@ PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl
        "--critic_learning_rate", "3e-4", "--normalize_reward")
 
 
+ASYNC = ("--no_colocate_all_models", "--async_train")
+
+
 def rl(tmp: Path, sft_model: Path, assets, *flags, env: dict | None = None, expect_rc: int = 0, name: str = "run"):
     out = tmp / name
     proc = run_stage("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
@@ -70,13 +73,17 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     assert metrics["pass4"] >= metrics["accuracy"] - 0.05, metrics
 
 
-def test_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model, reward_model):
-    """Hybrid engine (everything colocated) with an adaptive KL controller: killed after the checkpoint of step 3,
-    restarted, the six steps equal the uninterrupted run's (actor, critic, KL controller, prompt position, RNG), and
-    so does the output, the actor's moving average (--enable_ema), which the restart reads back from the checkpoint.
-    (Exact resume over two ranks, ZeRO-2 and ZeRO-3, is tests/test_stages.py's.)"""
+def test_async_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model,
+                                                                         reward_model):
+    """Async PPO, rollouts two policy versions ahead, 48 prompts per generate call for rollouts of 32 (the rest
+    kept for the next steps), the engines' log-probs corrected for (seq-mask-tis), an adaptive KL controller: killed
+    after the checkpoint of step 3, restarted, the six steps equal the uninterrupted run's (actor, critic, KL
+    controller, the two rollouts produced ahead and the groups kept, prompt position, RNG), and so does the output,
+    the actor's moving average (--enable_ema), which the restart reads back from the checkpoint."""
     flags = (*PPO, "--reward_pretrain", reward_model, "--max_samples", 192, "--save_steps", 3, "--kl_target", "1.0",
-             "--colocate_all_models", "--enable_ema", "--ema_beta", "0.5")
+             "--no_colocate_all_models", "--colocate_actor_ref", "--colocate_critic_reward", "--async_train",
+             "--async_queue_size", 2, "--vllm_generate_batch_size", 48, "--enable_vllm_is_correction",
+             "--vllm_is_correction_type", "seq-mask-tis", "--enable_ema", "--ema_beta", "0.5")
     full, _ = rl(tmp_path, sft_model, assets, *flags, name="full")
     resumed_dir = tmp_path / "resumed"
     run_killed_at_checkpoint(stage_command("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
@@ -90,6 +97,13 @@ def test_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, ass
     expected, got = history_of(full), history_of(resumed)
     assert [r["step"] for r in got] == list(range(1, 7))
     assert len({r["kl_coef"] for r in expected}) > 1, "the adaptive KL controller never moved"
+    # Step k trains on the rollout of policy k - 2 (generated two steps ahead), older for groups kept from an
+    # earlier generate call; 48 prompts per call, none when the kept groups fill the rollout.
+    assert [r["prompts_sampled"] for r in got] == [48, 48, 0, 48, 48, 0]
+    assert [r["policy_lag"] for r in got] == [0, 1, 2, 2, 2.5, 3]
+    assert [r["policy_lag_max"] for r in got] == [0, 1, 2, 2, 3, 3]
+    assert expected[0]["vllm_kl"] == pytest.approx(0, abs=1e-5) and expected[-1]["vllm_kl"] > 1e-3
+    assert any(r["is_affected_fraction"] > 0 for r in expected) and all(r["time/rollout_wait"] >= 0 for r in expected)
     for a, b in zip(expected, got):
         for key, value in a.items():
             if isinstance(value, float) and not key.startswith("time/") and not key.endswith("_per_s"):
@@ -136,8 +150,10 @@ def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, a
     "estimator, flags, margin",
     [
         ("rloo", ("--colocate_all_models",), 0.4),
-        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1"), 0.4),
-        ("reinforce_baseline", ("--kl_estimator", "k2"), 0.4),
+        # Async: each rollout sampled by the policy one (two) versions back, the engines' log-probs corrected for.
+        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1", *ASYNC, "--enable_vllm_is_correction"), 0.4),
+        ("reinforce_baseline", ("--kl_estimator", "k2", *ASYNC, "--async_queue_size", 2,
+                                "--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"), 0.4),
         # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3.
         ("dr_grpo", ("--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate", "2e-3", "--packing_samples",
                      "--zero_stage", 3, "--rollout_backend", "vllm"), 0.4),

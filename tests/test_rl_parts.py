@@ -4,6 +4,8 @@ weight-sync buckets and the CPU rehearsal of a GPU preset."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from pipeline.rehearsal import StandIns, rehearse_stage
 from stages.rl import PromptStream, drift_warnings
 from stages.placement import models_take_turns, placement_plan
 from stages.roles import ending_with_eos, reward_normalization
+from stages.rollout_queue import RolloutQueue
 from stages.tiny import build_tiny_datasets
 from stages.weight_sync import bucket_bytes_total, plan_buckets
 
@@ -24,6 +27,69 @@ TINY = ["--config", "tiny"]
 
 def rl_config(*flags: str):
     return parse_stage_args("rl", [*TINY, *flags], require_inputs=False)
+
+
+class EnginesLog:
+    """What a rollout queue asks of the engines, and a check that a weight update never overlaps generation."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.lock = threading.Lock()
+        self.produced: list[tuple[int, int]] = []  # (step, policy version)
+        self.syncs = 0
+        self.fail_at = fail_at
+
+    def produce(self, step: int, version: int):
+        assert self.lock.acquire(blocking=False), "generation overlaps a weight update"
+        try:
+            time.sleep(0.01)
+            if step == self.fail_at:
+                raise RuntimeError(f"engine died at step {step}")
+            self.produced.append((step, version))
+            return None if step == 7 else f"rollout {step}"
+        finally:
+            self.lock.release()
+
+    def sync(self):
+        assert self.lock.acquire(blocking=False), "a weight update overlaps generation"
+        time.sleep(0.01)
+        self.syncs += 1
+        self.lock.release()
+
+
+@pytest.mark.parametrize("queue_size", [0, 1, 2])
+def test_the_rollout_of_step_k_comes_from_the_policy_of_step_k_minus_the_queue_size(queue_size):
+    engines = EnginesLog()
+    queue = RolloutQueue(engines.produce, first=0, last=6, queue_size=queue_size)
+    for step in range(6):
+        assert queue.take(step) == f"rollout {step}"
+        queue.update_weights(engines.sync if step != 2 else None)  # step 3's actor frozen: no sync, a new version
+        if step == 3:  # a checkpoint now keeps the rollouts produced for the next steps
+            assert queue.pending(4) == [f"rollout {s}" for s in range(4, 4 + queue_size)]
+    queue.close()
+    assert engines.produced == [(step, max(step - queue_size, 0)) for step in range(6)]
+    assert engines.syncs == 5
+    # Resumed from that checkpoint: the kept rollouts first, then production at the checkpoint's version.
+    resumed_engines = EnginesLog()
+    resumed = RolloutQueue(resumed_engines.produce, first=4, last=8, queue_size=queue_size,
+                           ready=[f"rollout {s}" for s in range(4, 4 + queue_size)])
+    taken = []
+    for step in range(4, 8):
+        taken.append(resumed.take(step))
+        if taken[-1] is None:
+            break
+        resumed.update_weights(resumed_engines.sync)
+    assert taken == ["rollout 4", "rollout 5", "rollout 6", None]
+    assert resumed_engines.produced == [(step, max(step - queue_size, 4)) for step in range(4 + queue_size, 8)]
+
+
+def test_a_failed_rollout_reaches_the_trainer():
+    queue = RolloutQueue(EnginesLog(fail_at=2).produce, first=0, last=6, queue_size=2)
+    assert queue.take(0) == "rollout 0"
+    with pytest.raises(RuntimeError, match="engine died at step 2"):
+        queue.update_weights(None)  # waits for step 2, the last rollout due from version 0
+    assert queue.take(1) == "rollout 1"  # produced before the failure
+    with pytest.raises(RuntimeError, match="engine died at step 2"):
+        queue.take(2)
 
 
 def test_prompt_stream_walks_seeded_episodes_and_resumes_at_its_position():

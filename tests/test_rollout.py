@@ -226,6 +226,31 @@ def test_scored_tokens_equal_the_generated_log_probs(engine, prompts):
 
 
 @pytest.mark.parametrize("engine", ENGINES, indirect=True)
+def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, model_dir, prompts):
+    """The engines' log-probs are those of the distribution they sampled from (logits / temperature), as the
+    trainer's policy forward computes them: the off-policy correction compares the two."""
+    from stages.roles import policy_forward
+    from stages.sequences import build_sequences
+
+    rollouts = ray.get(engine.generate.remote(prompts, n=2, max_new_tokens=8, temperature=0.6, top_p=1.0, seed=5,
+                                              logprobs=True))
+    batch = build_sequences([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                            load_tokenizer(model_dir).pad_token_id)
+    model = load_causal_lm(model_dir).eval()
+    with torch.no_grad():
+        trainer, _ = policy_forward(model, batch, 0.6, packing=False)
+        raw, _ = policy_forward(model, batch, 1.0, packing=False)
+    raw_differs = False
+    for row, rollout in enumerate(rollouts):
+        start = len(rollout.prompt_ids) - 1
+        expected = trainer[row, start : start + len(rollout.response_ids)]
+        assert torch.allclose(torch.tensor(rollout.logprobs), expected, atol=LOGPROB_TOL), row
+        raw_differs |= not torch.allclose(torch.tensor(rollout.logprobs), raw[row, start : start + len(expected)],
+                                          atol=LOGPROB_TOL)
+    assert raw_differs, "the temperature changed no log-prob: the test would not see raw log-probs"
+
+
+@pytest.mark.parametrize("engine", ENGINES, indirect=True)
 def test_total_length_budget_caps_each_response(engine, model_dir, prompts):
     budget = len(encode_prompt(load_tokenizer(model_dir), prompts[0])) + 3
     rollouts = ray.get(engine.generate.remote(prompts[:1], n=4, max_new_tokens=12, temperature=1.0, top_p=1.0,
