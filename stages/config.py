@@ -655,6 +655,16 @@ class RLConfig(TrainingConfig, PromptConfig):
     async_queue_size: int = Field(
         1, ge=1, description="--async_train: rollouts generated ahead of training, i.e. policy versions a rollout lags",
     )
+    partial_rollout: bool = Field(
+        False,
+        description="--async_train: a weight update does not wait for the rollout being generated; it lands between "
+        "generation segments of --partial_rollout_segment_len tokens and the responses go on with the new weights, so "
+        "one response may come from two policy versions (logged as mixed_version_samples; weigh it with "
+        "--enable_vllm_is_correction). A resumed run repeats the interrupted one's prompts, not its samples",
+    )
+    partial_rollout_segment_len: int = Field(
+        64, ge=1, description="--partial_rollout: tokens generated per response between two chances of a weight update",
+    )
     vllm_generate_batch_size: int | None = Field(
         None, ge=1,
         description="prompts per generate call when a rollout needs new samples; above --rollout_batch_size "
@@ -909,6 +919,9 @@ class RLConfig(TrainingConfig, PromptConfig):
         if not self.async_train:
             if self.async_queue_size != defaults["async_queue_size"].default:
                 problems.append(f"--async_queue_size {self.async_queue_size} configures --async_train, which is off")
+            if self.partial_rollout:
+                problems.append("--partial_rollout lets a weight update land during generation ahead of training: it "
+                                "needs --async_train")
             if self.generate_batch_size > self.rollout_batch_size:
                 problems.append(f"--vllm_generate_batch_size {self.vllm_generate_batch_size} > --rollout_batch_size "
                                 f"{self.rollout_batch_size} keeps groups for later steps: it needs --async_train")
@@ -919,6 +932,10 @@ class RLConfig(TrainingConfig, PromptConfig):
                                 "only (--colocate_actor_ref, --colocate_critic_reward)")
             if self.vllm_enable_sleep:
                 problems.append("--async_train keeps the engines generating: not with --vllm_enable_sleep")
+        segment_len = self.partial_rollout_segment_len
+        if not self.partial_rollout and segment_len != defaults["partial_rollout_segment_len"].default:
+            problems.append(f"--partial_rollout_segment_len {segment_len} configures "
+                            "--partial_rollout, which is off")
         if self.generate_batch_size < self.rollout_batch_size:
             problems.append(f"--vllm_generate_batch_size {self.vllm_generate_batch_size} is below --rollout_batch_size "
                             f"{self.rollout_batch_size}: a generate call would not fill one rollout")

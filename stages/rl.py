@@ -38,7 +38,8 @@ from stages.errors import StageInputError
 from stages.launch import note_limits, stage_main
 from stages.rewards import RewardBatch, reward_source_of
 from stages.roles import Roles
-from stages.rollout import Rollout, generate_across
+from stages.rollout import (Extension, Rollout, encode_prompt, extend_across, generate_across, response_budgets,
+                            rollouts_of)
 from stages.rollout_queue import RolloutQueue
 from stages.sequences import build_sequences, chunks, split_rows
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
@@ -107,7 +108,8 @@ class PromptGroup:
     rollouts: list[Rollout]
     labels: list[str]
     rewards: RewardBatch
-    policy_version: int
+    policy_version: int  # with --partial_rollout: the oldest version that sampled a token of the group
+    mixed_version_samples: int = 0  # --partial_rollout: samples whose tokens come from two or more versions
 
 
 @dataclass
@@ -139,10 +141,47 @@ class RolloutBatch:
 class RolloutCollector:
     """Samples and scores prompt groups until a rollout is full. With --vllm_generate_batch_size above
     --rollout_batch_size a generate call samples more prompts than one rollout needs; the extra groups are kept
-    (`carried`) and fill the next rollouts first."""
+    (`carried`) and fill the next rollouts first. With --partial_rollout responses are generated in segments
+    between which a weight update may land (`queue.segment`)."""
 
-    def __init__(self, cfg, roles: Roles, stream: PromptStream, scorer: Scorer, carried: list[PromptGroup]):
+    def __init__(self, cfg, roles: Roles, stream: PromptStream, scorer: Scorer, carried: list[PromptGroup],
+                 tokenizer):
         self.cfg, self.roles, self.stream, self.scorer, self.carried = cfg, roles, stream, scorer, list(carried)
+        self.tokenizer = tokenizer
+        self.queue: RolloutQueue | None = None  # set once the queue exists
+
+    def generate(self, prompts: list[dict], seed: int, policy_version: int) -> tuple[list[Rollout], list[set[int]]]:
+        """n samples per prompt and, for each, the policy versions that sampled its tokens."""
+        cfg, n = self.cfg, self.cfg.n_samples_per_prompt
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, logprobs=cfg.enable_vllm_is_correction)
+        texts = [p["prompt"] for p in prompts]
+        if not cfg.partial_rollout:
+            rollouts = generate_across(self.roles.engines, texts, seed=seed, n=n, max_new_tokens=cfg.generate_max_len,
+                                       max_total_len=cfg.max_len, **sampling)
+            return rollouts, [{policy_version} for _ in rollouts]
+        prompt_ids = [encode_prompt(self.tokenizer, text) for text in texts]
+        budgets = [budget for budget in response_budgets(prompt_ids, cfg.generate_max_len, cfg.max_len)
+                   for _ in range(n)]
+        samples = [Extension([], [] if cfg.enable_vllm_is_correction else None, "length") for _ in budgets]
+        versions: list[set[int]] = [set() for _ in samples]
+        active, segment = list(range(len(samples))), 0
+        while active:
+            sequences = [prompt_ids[k // n] + samples[k].token_ids for k in active]
+            lengths = [min(cfg.partial_rollout_segment_len, budgets[k] - len(samples[k].token_ids)) for k in active]
+            extensions, version = self.queue.segment(lambda: extend_across(
+                self.roles.engines, sequences, lengths, seed=seed + 1000 * segment, **sampling))
+            still = []
+            for k, extension in zip(active, extensions):
+                samples[k].token_ids += extension.token_ids
+                if extension.logprobs is not None:
+                    samples[k].logprobs += extension.logprobs
+                versions[k].add(version)
+                if extension.finish_reason == "stop":
+                    samples[k].finish_reason = "stop"
+                elif len(samples[k].token_ids) < budgets[k]:
+                    still.append(k)
+            active, segment = still, segment + 1
+        return rollouts_of(self.tokenizer, texts, prompt_ids, n, samples), versions
 
     def collect(self, step: int, policy_version: int) -> RolloutBatch | None:
         """The rollout of `step`; None when the prompt stream runs out first."""
@@ -159,11 +198,8 @@ class RolloutCollector:
                 return None
             batch.prompts_sampled += len(prompts)
             with timer.phase("generation"):
-                rollouts = generate_across(self.roles.engines, [p["prompt"] for p in prompts],
-                                           seed=cfg.seed * 100_003 + step * 101 + attempt * 7, n=n,
-                                           max_new_tokens=cfg.generate_max_len, temperature=cfg.temperature,
-                                           top_p=cfg.top_p, max_total_len=cfg.max_len,
-                                           logprobs=cfg.enable_vllm_is_correction)
+                rollouts, versions = self.generate(prompts, cfg.seed * 100_003 + step * 101 + attempt * 7,
+                                                   policy_version)
             labels = [prompts[i // n]["label"] for i in range(len(rollouts))]
             if cfg.vllm_enable_sleep and self.scorer.reward_group is not None:
                 self.roles.engines_call("sleep")  # the reward model scores on the GPUs the engines free
@@ -182,7 +218,7 @@ class RolloutCollector:
                     continue
                 kept = PromptGroup(rollouts[group], labels[group], RewardBatch(
                     rewards.rewards[group], rewards.scores[group], rewards.failed[group], rewards.extra_logs),
-                    policy_version)
+                    min(min(v) for v in versions[group]), sum(len(v) > 1 for v in versions[group]))
                 (batch.groups if len(batch.groups) < cfg.rollout_batch_size else self.carried).append(kept)
             attempt += 1
         batch.timings = timer.take()
@@ -205,7 +241,7 @@ def restored_batch(state: dict[str, Any]) -> RolloutBatch:
 
 def restored_group(state: dict[str, Any]) -> PromptGroup:
     return PromptGroup([Rollout(**r) for r in state["rollouts"]], state["labels"], RewardBatch(**state["rewards"]),
-                       state["policy_version"])
+                       state["policy_version"], state["mixed_version_samples"])
 
 
 def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
@@ -442,8 +478,8 @@ def run(cfg) -> dict[str, Any]:
               f"{sync_bytes / 2**20:.1f} MiB in {len(roles.buckets)} bucket(s); start-up "
               + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()), flush=True)
         parts["total"] = time.perf_counter() - started + parts["imports"]
-        return train(cfg, roles, prompts, eval_prompts, scorer, start_step, total_steps, device == "cuda",
-                     startup=parts)
+        return train(cfg, roles, prompts, eval_prompts, scorer, tokenizer, start_step, total_steps,
+                     device == "cuda", startup=parts)
     finally:
         roles.shutdown()
 
@@ -480,8 +516,8 @@ def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
     return prompts, eval_prompts, reward_source, tokenizer
 
 
-def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, start_step: int,
-          total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
+def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, tokenizer,
+          start_step: int, total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     if start_step and roles.get("critic") is not None:
         roles.get("critic").run("load_checkpoint", start_step)
@@ -491,7 +527,8 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
     kl_ctl.value = client_state.get("kl_coef", kl_ctl.value)
     stream = PromptStream(prompts, cfg.seed, cfg.num_episodes, client_state.get("prompt_position", 0))
     queued = client_state.get("rollout_queue", {})
-    collector = RolloutCollector(cfg, roles, stream, scorer, [restored_group(g) for g in queued.get("carried", [])])
+    collector = RolloutCollector(cfg, roles, stream, scorer, [restored_group(g) for g in queued.get("carried", [])],
+                                 tokenizer)
     best = client_state.get("best")  # {"step", "eval_reward"} of the actor kept in <ckpt_path>/best
     best_dir = Path(cfg.ckpt_path) / "best"
     timer = PhaseTimer()
@@ -508,7 +545,9 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
     stopped_early = None
     # A thread of its own produces the rollouts --async_queue_size steps ahead (none: each when its step asks).
     rollouts = RolloutQueue(collector.collect, start_step, total_steps, cfg.queue_size,
-                            [restored_batch(b) for b in queued.get("pending", [])])
+                            [restored_batch(b) for b in queued.get("pending", [])], partial=cfg.partial_rollout)
+    collector.queue = rollouts
+    rollouts.start()
     for step in range(start_step, total_steps):
         step_started = time.perf_counter()
         batch = rollouts.take(step)
@@ -535,6 +574,8 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         record = {"step": step + 1, **record, "prompts_sampled": batch.prompts_sampled,
                   "groups_filtered": batch.groups_filtered, "reward_failed_samples": batch.reward_failed_samples,
                   "policy_lag": sum(lags) / len(lags), "policy_lag_max": max(lags)}
+        if cfg.partial_rollout:
+            record["mixed_version_samples"] = sum(group.mixed_version_samples for group in batch.groups)
         if eval_prompts and cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0:
             with timer.phase("evaluation"):
                 record.update(evaluate_held_out(cfg, roles, eval_prompts, scorer))

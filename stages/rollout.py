@@ -57,9 +57,30 @@ class Rollout:
     prompt_ids: list[int]  # the tokens the response was generated from
 
 
+@dataclass
+class Extension:
+    """New tokens sampled after one token sequence: at most its budget, ending with eos when finish_reason is
+    "stop"."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length"
+
+
+def rollouts_of(tokenizer, prompts: list[str], prompt_ids: list[list[int]], n: int,
+                extensions: list[Extension]) -> list[Rollout]:
+    """The `n` sampled responses of each prompt (extension k answers prompt k // n) as Rollouts."""
+    return [Rollout(prompt_index=k // n, prompt=prompts[k // n], response_ids=e.token_ids,
+                    response_text=tokenizer.decode(e.token_ids, skip_special_tokens=True), logprobs=e.logprobs,
+                    finish_reason=e.finish_reason, prompt_ids=prompt_ids[k // n])
+            for k, e in enumerate(extensions)]
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]: ...
+    def extend(self, sequences: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
+               seed: int | None, logprobs: bool = False) -> list[Extension]: ...
     def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]: ...
     def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
                          backend: str) -> None: ...
@@ -177,38 +198,36 @@ class VLLMEngine:
 
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
-        from vllm import SamplingParams
-
         _check_sampling(n, max_new_tokens, temperature, top_p)
-        self.wake_up()
         prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
         budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
+        samples = [k // n for k in range(len(prompts) * n)]
+        extensions = self.extend([prompt_ids[i] for i in samples], [budgets[i] for i in samples],
+                                 temperature=temperature, top_p=top_p, seed=seed, logprobs=logprobs)
+        return rollouts_of(self.tokenizer, prompts, prompt_ids, n, extensions)
+
+    def extend(self, sequences: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
+               seed: int | None, logprobs: bool = False) -> list[Extension]:
+        """Sample up to budgets[k] new tokens after each token sequence."""
+        from vllm import SamplingParams
+
+        self.wake_up()
         # One request per sample: vLLM refuses n > 1 for greedy. Each sample gets its own seed, so no two
         # samples share noise, also across engines called with seeds s, s + 1, ...
-        requests, params = [], []
-        for k in range(len(prompts) * n):
-            requests.append({"prompt_token_ids": prompt_ids[k // n]})
-            params.append(SamplingParams(
-                n=1, max_tokens=budgets[k // n], temperature=temperature,
-                top_p=top_p if temperature > 0 else 1.0,
-                seed=None if seed is None else seed * SEED_STRIDE + k, detokenize=False,
-                logprobs=0 if logprobs else None, flat_logprobs=True,  # sampled token only, fewer objects
-            ))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        rollouts = []
-        for k, output in enumerate(outputs):
+        requests = [{"prompt_token_ids": list(ids)} for ids in sequences]
+        params = [SamplingParams(
+            n=1, max_tokens=budget, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+            seed=None if seed is None else seed * SEED_STRIDE + k, detokenize=False,
+            logprobs=0 if logprobs else None, flat_logprobs=True,  # sampled token only, fewer objects
+        ) for k, budget in enumerate(budgets)]
+        extensions = []
+        for output in self.llm.generate(requests, params, use_tqdm=False):
             sample = output.outputs[0]
             ids = list(sample.token_ids)
-            rollouts.append(Rollout(
-                prompt_index=k // n,
-                prompt=prompts[k // n],
-                response_ids=ids,
-                response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                logprobs=[step[token].logprob for step, token in zip(sample.logprobs, ids)] if logprobs else None,
-                finish_reason="stop" if sample.finish_reason == "stop" else "length",
-                prompt_ids=prompt_ids[k // n],
-            ))
-        return rollouts
+            extensions.append(Extension(
+                ids, [step[token].logprob for step, token in zip(sample.logprobs, ids)] if logprobs else None,
+                "stop" if sample.finish_reason == "stop" else "length"))
+        return extensions
 
     def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Log-probs of each response token given its prompt and the response tokens before it (teacher forcing)."""
@@ -300,26 +319,33 @@ class HFEngine:
                                                         pad_token_id=self.tokenizer.pad_token_id)
         torch.manual_seed(seed)
 
-    @torch.no_grad()
     def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
         _check_sampling(n, max_new_tokens, temperature, top_p)
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
+        samples = [k // n for k in range(len(prompts) * n)]
+        extensions = self.extend([prompt_ids[i] for i in samples], [budgets[i] for i in samples],
+                                 temperature=temperature, top_p=top_p, seed=seed, logprobs=logprobs)
+        return rollouts_of(self.tokenizer, prompts, prompt_ids, n, extensions)
+
+    @torch.no_grad()
+    def extend(self, sequences: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
+               seed: int | None, logprobs: bool = False) -> list[Extension]:
+        """Sample up to budgets[k] new tokens after each token sequence, `max_batch_size` sequences at a time."""
         self.wake_up()
         if seed is not None:
             torch.manual_seed(seed)
-        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
         # top_k=0: transformers' own default is 50, vLLM's none.
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
-        rollouts: list[Rollout] = []
-        samples = [k // n for k in range(len(prompts) * n)]
-        for start in range(0, len(samples), self.max_batch_size):
-            chunk = samples[start : start + self.max_batch_size]
-            batch = self.tokenizer.pad({"input_ids": [prompt_ids[i] for i in chunk]}, return_tensors="pt")
+        extensions: list[Extension] = []
+        for start in range(0, len(sequences), self.max_batch_size):
+            chunk = range(start, min(start + self.max_batch_size, len(sequences)))
+            batch = self.tokenizer.pad({"input_ids": [sequences[k] for k in chunk]}, return_tensors="pt")
             out = self.model.generate(
                 input_ids=batch["input_ids"].to(self.device),
                 attention_mask=batch["attention_mask"].to(self.device),
-                max_new_tokens=max(budgets[i] for i in chunk),
+                max_new_tokens=max(budgets[k] for k in chunk),
                 return_dict_in_generate=True,
                 output_scores=logprobs,  # after temperature and top_p, as vLLM's processed log-probs
                 **sampling,
@@ -328,21 +354,13 @@ class HFEngine:
             if logprobs:
                 step_logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).cpu()
                 token_logprobs = step_logprobs.gather(-1, generated[..., None])[..., 0]
-            for row, prompt_index in enumerate(chunk):
-                ids = generated[row].tolist()[: budgets[prompt_index]]
+            for row, k in enumerate(chunk):
+                ids = generated[row].tolist()[: budgets[k]]
                 stop = next((t for t, token in enumerate(ids) if token in self.eos_ids), None)
                 length = len(ids) if stop is None else stop + 1
-                ids = ids[:length]
-                rollouts.append(Rollout(
-                    prompt_index=prompt_index,
-                    prompt=prompts[prompt_index],
-                    response_ids=ids,
-                    response_text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    logprobs=token_logprobs[row, :length].tolist() if logprobs else None,
-                    finish_reason="length" if stop is None else "stop",
-                    prompt_ids=prompt_ids[prompt_index],
-                ))
-        return rollouts
+                extensions.append(Extension(ids[:length], token_logprobs[row, :length].tolist() if logprobs else None,
+                                            "length" if stop is None else "stop"))
+        return extensions
 
     @torch.no_grad()
     def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -414,6 +432,16 @@ def generate_across(engines: Sequence[ray.actor.ActorHandle], prompts: list[str]
             rollout.prompt_index += start
             rollouts.append(rollout)
     return rollouts
+
+
+def extend_across(engines: Sequence[ray.actor.ActorHandle], sequences: list[list[int]], budgets: list[int], *,
+                  seed: int, **sampling) -> list[Extension]:
+    """`extend` with the sequences split over the engines (engine i samples with seed + i), in order."""
+    per_engine = math.ceil(len(sequences) / len(engines))
+    refs = [engine.extend.remote(sequences[start : start + per_engine], budgets[start : start + per_engine],
+                                 seed=seed + i, **sampling)
+            for i, (engine, start) in enumerate(zip(engines, range(0, len(sequences), per_engine)))]
+    return [extension for part in ray.get(refs) for extension in part]
 
 
 def resolve_backend(backend: Backend) -> str:

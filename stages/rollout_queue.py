@@ -8,6 +8,10 @@ is sampled by version max(k - q, first) exactly:
   - a weight update to version v + 1 waits until step v + q, the last one due from version v, is produced.
 So generation and a weight update never overlap on the engines, no sample mixes two versions, and an async run
 repeats and resumes like a synchronous one (q = 0, where each rollout is produced when its step asks for it).
+
+With `partial` (--partial_rollout) a weight update does not wait for production: the producer generates in
+segments (`segment`), and an update lands between two of them; the rest of each response comes from the new
+version, and every segment reports the version it was sampled by.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ class RolloutQueue:
     """
 
     def __init__(self, produce: Callable[[int, int], Any], first: int, last: int, queue_size: int,
-                 ready: list | None = None):
+                 ready: list | None = None, partial: bool = False):
         self.produce, self.first, self.last, self.queue_size = produce, first, last, queue_size
+        self.partial = partial
+        self._engines = threading.Lock()  # held by one generation segment or one weight update
+        self._update_waiting = False  # a weight update goes before the next segment (a lock alone is not fair)
         self.version = first  # held by the engines
         self.ready: dict[int, Any] = {first + i: batch for i, batch in enumerate(ready or [])}
         self.next_step = first + len(self.ready)
@@ -36,10 +43,12 @@ class RolloutQueue:
         self.waited = 0.0  # seconds the trainer waited for rollouts since the last take_waited()
         self._changed = threading.Condition()
         self._closed = False
-        self._thread = None
-        if queue_size:
-            self._thread = threading.Thread(target=self._run, name="rollouts", daemon=True)
-            self._thread.start()
+
+    def start(self) -> RolloutQueue:
+        """Begin producing ahead (a no-op without a queue)."""
+        if self.queue_size:
+            threading.Thread(target=self._run, name="rollouts", daemon=True).start()
+        return self
 
     def version_for(self, step: int) -> int:
         return max(step - self.queue_size, self.first)
@@ -52,7 +61,7 @@ class RolloutQueue:
                     self._changed.wait_for(lambda: self._closed or self.version >= self.version_for(step))
                     if self._closed:
                         return
-                    assert self.version == self.version_for(step), (step, self.version)
+                    assert self.partial or self.version == self.version_for(step), (step, self.version)
                 batch = self.produce(step, self.version)
                 with self._changed:
                     self.ready[step] = batch
@@ -78,9 +87,29 @@ class RolloutQueue:
             self._changed.notify_all()
             return batch
 
+    def segment(self, generate: Callable[[], Any]) -> tuple[Any, int]:
+        """(generate(), the policy version it sampled with): no weight update runs meanwhile."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._update_waiting)
+        with self._engines:
+            return generate(), self.version
+
     def update_weights(self, sync: Callable[[], None] | None) -> None:
         """The next policy version: run `sync` (the actor's weights into the engines; None when the actor did not
-        move) once every rollout still due from the current version is produced."""
+        move) once every rollout still due from the current version is produced (partial: between two segments)."""
+        if self.partial:
+            with self._changed:
+                self._update_waiting = True
+            with self._engines:
+                if sync is not None:
+                    sync()
+                with self._changed:
+                    self.version += 1
+                    self._update_waiting = False
+                    self._changed.notify_all()
+            if self.error is not None:
+                raise self.error
+            return
         with self._changed:
             last_due = min(self.version + self.queue_size, self.last - 1)
             self._changed.wait_for(lambda: self.next_step > last_due or self.finished or self.error is not None

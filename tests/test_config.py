@@ -325,6 +325,10 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
          ["--save_value_network exports the critic, which --advantage_estimator rloo does not train"]),
         ("rl", [*TINY, "--async_train"], ["--async_train generates while the actor trains, and "
                                           "--colocate_all_models puts the engines on the actor's GPUs"]),
+        ("rl", [*TINY, "--partial_rollout"], ["--partial_rollout lets a weight update land during generation ahead "
+                                              "of training: it needs --async_train"]),
+        ("rl", [*TINY, "--partial_rollout_segment_len", "8"],
+         ["--partial_rollout_segment_len 8 configures --partial_rollout, which is off"]),
         ("rl", [*TINY, "--async_queue_size", "2"], ["--async_queue_size 2 configures --async_train, which is off"]),
         ("rl", [*TINY, "--vllm_generate_batch_size", "64"],
          ["--vllm_generate_batch_size 64 > --rollout_batch_size 32 keeps groups for later steps: it needs "

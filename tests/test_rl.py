@@ -150,8 +150,10 @@ def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, a
     "estimator, flags, margin",
     [
         ("rloo", ("--colocate_all_models",), 0.4),
-        # Async: each rollout sampled by the policy one (two) versions back, the engines' log-probs corrected for.
-        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1", *ASYNC, "--enable_vllm_is_correction"), 0.4),
+        # Async: each rollout sampled by the policy one (two) versions back, the engines' log-probs corrected for;
+        # with partial rollouts generated two tokens at a time, a weight update free to land in between.
+        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1", *ASYNC, "--partial_rollout",
+                       "--partial_rollout_segment_len", 2, "--enable_vllm_is_correction"), 0.4),
         ("reinforce_baseline", ("--kl_estimator", "k2", *ASYNC, "--async_queue_size", 2,
                                 "--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"), 0.4),
         # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3.
@@ -175,6 +177,13 @@ def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, es
     assert metrics["reward_failed_samples"] == 0 and sum(server.requests) > 0
     assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + margin, metrics
     assert math.isfinite(metrics["kl_last"])
+    history = history_of(policy)
+    if "--async_train" in flags:
+        # Partial: a rollout may start after the update its step would have waited for (lag 0).
+        lowest = 0 if "--partial_rollout" in flags else 1
+        assert history[0]["policy_lag"] == 0 and all(r["policy_lag"] >= lowest for r in history[1:])
+        assert all(0 < r["is_weight"] < 5 for r in history)
+    assert all(("mixed_version_samples" in r) == ("--partial_rollout" in flags) for r in history)
 
 
 def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sft_model):

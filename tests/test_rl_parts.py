@@ -59,7 +59,7 @@ class EnginesLog:
 @pytest.mark.parametrize("queue_size", [0, 1, 2])
 def test_the_rollout_of_step_k_comes_from_the_policy_of_step_k_minus_the_queue_size(queue_size):
     engines = EnginesLog()
-    queue = RolloutQueue(engines.produce, first=0, last=6, queue_size=queue_size)
+    queue = RolloutQueue(engines.produce, first=0, last=6, queue_size=queue_size).start()
     for step in range(6):
         assert queue.take(step) == f"rollout {step}"
         queue.update_weights(engines.sync if step != 2 else None)  # step 3's actor frozen: no sync, a new version
@@ -71,7 +71,7 @@ def test_the_rollout_of_step_k_comes_from_the_policy_of_step_k_minus_the_queue_s
     # Resumed from that checkpoint: the kept rollouts first, then production at the checkpoint's version.
     resumed_engines = EnginesLog()
     resumed = RolloutQueue(resumed_engines.produce, first=4, last=8, queue_size=queue_size,
-                           ready=[f"rollout {s}" for s in range(4, 4 + queue_size)])
+                           ready=[f"rollout {s}" for s in range(4, 4 + queue_size)]).start()
     taken = []
     for step in range(4, 8):
         taken.append(resumed.take(step))
@@ -83,13 +83,33 @@ def test_the_rollout_of_step_k_comes_from_the_policy_of_step_k_minus_the_queue_s
 
 
 def test_a_failed_rollout_reaches_the_trainer():
-    queue = RolloutQueue(EnginesLog(fail_at=2).produce, first=0, last=6, queue_size=2)
+    queue = RolloutQueue(EnginesLog(fail_at=2).produce, first=0, last=6, queue_size=2).start()
     assert queue.take(0) == "rollout 0"
     with pytest.raises(RuntimeError, match="engine died at step 2"):
         queue.update_weights(None)  # waits for step 2, the last rollout due from version 0
     assert queue.take(1) == "rollout 1"  # produced before the failure
     with pytest.raises(RuntimeError, match="engine died at step 2"):
         queue.take(2)
+
+
+def test_with_partial_rollout_a_weight_update_lands_between_two_segments_of_a_response():
+    first_segment_done, synced = threading.Event(), threading.Event()
+
+    def produce(step: int, version: int) -> list[int]:
+        versions = []
+        for segment in range(3):
+            versions.append(queue.segment(lambda: time.sleep(0.01))[1])
+            if step == 1 and segment == 0:
+                first_segment_done.set()
+                assert synced.wait(10)
+        return versions
+
+    queue = RolloutQueue(produce, first=0, last=2, queue_size=1, partial=True)
+    queue.start()
+    assert queue.take(0) == [0, 0, 0]
+    assert first_segment_done.wait(10)  # step 1's rollout is being generated: the update does not wait for it
+    queue.update_weights(synced.set)
+    assert queue.take(1) == [0, 1, 1]  # its first segment from version 0, the rest from version 1
 
 
 def test_prompt_stream_walks_seeded_episodes_and_resumes_at_its_position():
