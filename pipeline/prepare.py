@@ -17,10 +17,15 @@ def _absolute_if_local(value: str | None) -> str | None:
 
 def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> PipelineConfig:
     """With `tiny_assets_dir`, build the tiny assets and use them for the fields of the shape's stages that the
-    config leaves unset and no stage feeds (TINY_ASSET_FIELDS); make local paths absolute (Ray jobs run in
-    another working directory)."""
+    config leaves unset and no stage feeds (TINY_ASSET_FIELDS); let the evaluation play the episodes of RL's agent
+    when it names no reward source of its own; make local paths absolute (Ray jobs run in another working
+    directory)."""
     wiring = shape_inputs(config.shape)
     sections = {stage: config.section(stage).model_dump() for stage in config.stages}
+    trained_agent = sections.get("rl", {}).get("agent_func_path")
+    evaluation = sections.get("evaluate", {})
+    if trained_agent and not (evaluation.get("agent_func_path") or evaluation.get("remote_rm_url")):
+        evaluation["agent_func_path"] = trained_agent  # the evaluation plays the episodes RL trained on
     if config.tiny_assets_dir is not None:
         from stages import tiny
 
@@ -33,6 +38,8 @@ def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> Pipel
             rewarded_by_model = sections[stage].get("reward_pretrain") is not None or "reward_pretrain" in wiring[stage]
             if stage == "rl" and field == "remote_rm_url" and rewarded_by_model:
                 continue  # RL takes one reward source; evaluation scores with both (accuracy and reward_mean)
+            if field == "remote_rm_url" and sections[stage].get("agent_func_path"):
+                continue  # the agent rewards its episodes
             if asset in assets:
                 sections[stage][field] = str(assets[asset])
     for stage, section in sections.items():

@@ -345,7 +345,7 @@ class PreferenceKeys(StrictModel):
 class PromptConfig(StageConfig):
     """Prompts, reward sources and rollout engines: what the RL and evaluation stages generate with and score."""
 
-    required_inputs = (("pretrain",), ("prompt_data",), ("reward_pretrain", "remote_rm_url"))
+    required_inputs = (("pretrain",), ("prompt_data",), ("reward_pretrain", "remote_rm_url", "agent_func_path"))
 
     prompt_data: Annotated[str | None, Dataset(split="prompt_split")] = Field(
         None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI; a comma-separated list "
@@ -374,6 +374,17 @@ class PromptConfig(StageConfig):
         description="name of an environment variable of the Ray nodes (named as a secret: *_TOKEN, *_KEY, ...) whose "
         "value is sent as the Authorization header to the HTTP reward endpoints, e.g. REWARD_API_TOKEN holding "
         "'Bearer <token>'; credentials in --remote_rm_url itself are refused",
+    )
+    agent_func_path: Annotated[str | None, REWARD_SOURCE] = Field(
+        None,
+        description="a Python file defining AgentExecutor (OpenRLHF's agent interface, stages/agents.py): episodes of "
+        "model turns and environment feedback replace single responses, and the agent's step rewards replace "
+        "--remote_rm_url",
+    )
+    agent_timeout: float = Field(
+        60.0, gt=0,
+        description="seconds one call into the agent's code (reset, step, or its own execute between two generate "
+        "calls) may take before the stage stops (exit 2), naming the call and the prompt",
     )
     reward_pretrain: ScorerPath = Field(None, description="reward model (HF dir, hub name or s3:// URI)")
     value_head_prefix: str = Field(
@@ -413,6 +424,13 @@ class PromptConfig(StageConfig):
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
+        if self.agent_func_path:
+            others = [f"--{flag}" for flag in ("remote_rm_url", "reward_pretrain") if getattr(self, flag)]
+            if others:
+                problems.append(f"--agent_func_path rewards the episodes itself: not with {' and '.join(others)} "
+                                "(choose one reward source)")
+        elif self.agent_timeout != type(self).model_fields["agent_timeout"].default:
+            problems.append(f"--agent_timeout {self.agent_timeout:g} configures --agent_func_path, which is unset")
         if self.rollout_backend == "hf" and self.vllm_tensor_parallel_size > 1:
             problems.append(
                 f"--vllm_tensor_parallel_size {self.vllm_tensor_parallel_size} needs --rollout_backend vllm or auto "
@@ -763,7 +781,7 @@ class RLConfig(TrainingConfig, PromptConfig):
             ranks["critic"] = self.critic_num_nodes * self.critic_num_gpus_per_node
         if self.uses_reference:
             ranks["ref"] = self.ref_num_nodes * self.ref_num_gpus_per_node
-        if not self.remote_rm_url:
+        if not (self.remote_rm_url or self.agent_func_path):
             ranks["reward"] = self.reward_num_nodes * self.reward_num_gpus_per_node
         return ranks
 
@@ -861,9 +879,9 @@ class RLConfig(TrainingConfig, PromptConfig):
                 "--remote_rm_url and --reward_pretrain both set: choose one reward source "
                 "(initialise a PPO critic with --critic_pretrain)"
             )
-        if self.normalize_reward and self.remote_rm_url:
+        if self.normalize_reward and (self.remote_rm_url or self.agent_func_path):
             problems.append(
-                "--normalize_reward uses the reward model's stored mean/std: it does not apply to --remote_rm_url"
+                "--normalize_reward uses the reward model's stored mean/std: it does not apply to --remote_rm_url or --agent_func_path"
             )
         if self.init_kl_coef == 0:
             if self.use_kl_loss:
@@ -892,9 +910,9 @@ class RLConfig(TrainingConfig, PromptConfig):
             if self.n_samples_per_prompt < 2:
                 problems.append("--dynamic_filtering drops groups whose samples all score alike: it needs "
                                 "--n_samples_per_prompt >= 2")
-            if not self.remote_rm_url:
+            if not (self.remote_rm_url or self.agent_func_path):
                 problems.append("--dynamic_filtering compares scores with --dynamic_filtering_reward_range: it needs a "
-                                "rule reward (--remote_rm_url), not a reward model")
+                                "rule reward (--remote_rm_url) or an agent's, not a reward model")
             low, high = self.dynamic_filtering_reward_range
             if low >= high:
                 problems.append(f"--dynamic_filtering_reward_range {low} {high}: low must be below high")
@@ -936,6 +954,9 @@ class RLConfig(TrainingConfig, PromptConfig):
         if not self.partial_rollout and segment_len != defaults["partial_rollout_segment_len"].default:
             problems.append(f"--partial_rollout_segment_len {segment_len} configures "
                             "--partial_rollout, which is off")
+        if self.partial_rollout and self.agent_func_path:
+            problems.append("--partial_rollout generates responses in segments, an agent's episodes in turns: not "
+                            "with --agent_func_path")
         if self.generate_batch_size < self.rollout_batch_size:
             problems.append(f"--vllm_generate_batch_size {self.vllm_generate_batch_size} is below --rollout_batch_size "
                             f"{self.rollout_batch_size}: a generate call would not fill one rollout")

@@ -12,6 +12,10 @@ the same with a `reference_` / `production_` prefix for the others, and `kl_mean
 first SAMPLES_SHOWN prompts with each model's greedy answer and its reward (and reward-model score), for the
 report.
 
+With `--agent_func_path` each model plays the agent's episodes instead (greedy, and sampled for pass@n): `accuracy`
+is the mean episode reward, `response_length` counts the episode's tokens after the prompt; the KL is still
+estimated on single responses.
+
 Every model is scored on every prompt, or the evaluation fails: when reward requests fail (an endpoint down past
 its retries), the stage stops with exit 1, to be retried, rather than score the models on different subsets of
 the prompts or commit a metric that is not a number.
@@ -31,6 +35,7 @@ import torch
 from ray.util.placement_group import placement_group
 
 from stages import data
+from stages.agents import agent_rollouts, load_agent_executor
 from stages.data import validate_prompt_rows as validate_rows
 from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
@@ -62,11 +67,12 @@ def same_architecture(path_a: str, path_b: str) -> bool:
 class Evaluation:
     """Engines that hold one model at a time, the reward sources, and the prompts they all answer."""
 
-    def __init__(self, cfg, prompts: list[dict], pad_token_id: int, reward_group: ActorGroup | None,
-                 bundle: dict[str, float]):
-        self.cfg, self.prompts, self.pad_token_id, self.reward_group = cfg, prompts, pad_token_id, reward_group
+    def __init__(self, cfg, prompts: list[dict], tokenizer, reward_group: ActorGroup | None, bundle: dict[str, float]):
+        self.cfg, self.prompts, self.tokenizer, self.reward_group = cfg, prompts, tokenizer, reward_group
+        self.pad_token_id = tokenizer.pad_token_id
         self.bundle = bundle  # what each engine (each tensor-parallel rank) takes of the cluster
         self.reward_source = reward_source_of(cfg)
+        self.agent = load_agent_executor(cfg.agent_func_path) if cfg.agent_func_path else None
         self.engines: list = []
         self.loaded: str | None = None
         self.samples: list[dict] = []
@@ -94,6 +100,14 @@ class Evaluation:
         return generate_across(self.engines, [p["prompt"] for p in self.prompts], seed=seed, n=n,
                                max_new_tokens=self.cfg.generate_max_len, temperature=temperature, top_p=1.0)
 
+    def episodes(self, *, n: int, temperature: float, seed: int) -> tuple[list[Rollout], torch.Tensor]:
+        cfg = self.cfg
+        rollouts, rewards = agent_rollouts(self.agent, self.engines, self.tokenizer, self.prompts, n=n,
+                                           temperature=temperature, top_p=1.0, max_new_tokens=cfg.generate_max_len,
+                                           max_length=cfg.prompt_max_len + cfg.generate_max_len, seed=seed,
+                                           logprobs=False, timeout_s=cfg.agent_timeout)
+        return rollouts, rewards.rewards
+
     def labels(self, n: int) -> list[str]:
         return [p["label"] for p in self.prompts for _ in range(n)]
 
@@ -101,22 +115,28 @@ class Evaluation:
         """Metrics of the model in the engines, prefixed with `name_` (none for the policy)."""
         cfg = self.cfg
         prefix = "" if name == "policy" else f"{name}_"
-        greedy = self.generate(n=1, temperature=0.0, seed=cfg.seed)
+        if self.agent is not None:
+            greedy, agent_rewards = self.episodes(n=1, temperature=0.0, seed=cfg.seed)
+        else:
+            greedy = self.generate(n=1, temperature=0.0, seed=cfg.seed)
         metrics = {
             "response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
             "truncated_fraction": sum(r.finish_reason == "length" for r in greedy) / len(greedy),
         }
         shown = [{"model": name, "prompt": r.prompt, "label": label, "response": r.response_text}
                  for r, label in list(zip(greedy, self.labels(1)))[:SAMPLES_SHOWN]]
-        if self.reward_source is not None:
-            rewards = self.rewards(name, greedy, self.labels(1))
+        if self.reward_source is not None or self.agent is not None:
+            rewards = agent_rewards if self.agent is not None else self.rewards(name, greedy, self.labels(1))
             metrics["accuracy"] = float(rewards.mean())
             for sample, reward in zip(shown, rewards.tolist()):
                 sample["reward"] = reward
             k = cfg.eval_n_samples_per_prompt
             if k:
-                sampled = self.generate(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)
-                per_prompt = self.rewards(name, sampled, self.labels(k)).view(-1, k)
+                if self.agent is not None:
+                    per_prompt = self.episodes(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)[1].view(-1, k)
+                else:
+                    sampled = self.generate(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)
+                    per_prompt = self.rewards(name, sampled, self.labels(k)).view(-1, k)
                 metrics["pass1"] = float(per_prompt.mean())
                 metrics[f"pass{k}"] = float(per_prompt.max(dim=1).values.mean())
         if self.reward_group is not None:
@@ -186,7 +206,7 @@ def run(cfg) -> dict[str, Any]:
                                                       owned=True), threads=cpu_threads(cfg.num_gpus_per_node))
         ray.get(reward_group.rendezvous())
         reward_group.run("setup", cfg.model_dump(), EvaluateConfig)
-    evaluation = Evaluation(cfg, prompts, tokenizer.pad_token_id, reward_group, bundle)
+    evaluation = Evaluation(cfg, prompts, tokenizer, reward_group, bundle)
     try:
         evaluation.load(models["policy"])
         metrics = evaluation.score("policy")

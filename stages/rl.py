@@ -33,6 +33,7 @@ import torch
 
 from stages import algorithms as algo
 from stages import engine as ds
+from stages.agents import agent_rollouts, load_agent_executor
 from stages.distributed import cluster_device, init_ray
 from stages.errors import StageInputError
 from stages.launch import note_limits, stage_main
@@ -86,11 +87,25 @@ class PromptStream:
 
 @dataclass
 class Scorer:
-    """Scalar rewards of rollouts: a rule function / HTTP endpoints, or the reward model group."""
+    """Scalar rewards of rollouts: a rule function / HTTP endpoints, or the reward model group; with an agent
+    (--agent_func_path) its episodes, rewarded by the agent (`sample`)."""
 
     source: Any  # RewardFunction | RemoteReward | None
     reward_group: Any  # ActorGroup of RewardModelWorker | None
     pad_token_id: int
+    agent: Any = None  # AgentExecutorBase | None
+    tokenizer: Any = None
+
+    def sample(self, cfg, engines: list, prompts: list[dict], *, n: int, temperature: float, top_p: float,
+               seed: int, logprobs: bool = False) -> tuple[list[Rollout], RewardBatch | None]:
+        """`n` responses per prompt from the engines, and with an agent their rewards (else None: score them)."""
+        if self.agent is not None:
+            return agent_rollouts(self.agent, engines, self.tokenizer, prompts, n=n, temperature=temperature,
+                                  top_p=top_p, max_new_tokens=cfg.generate_max_len, max_length=cfg.total_len,
+                                  seed=seed, logprobs=logprobs, timeout_s=cfg.agent_timeout)
+        return generate_across(engines, [p["prompt"] for p in prompts], seed=seed, n=n,
+                               max_new_tokens=cfg.generate_max_len, temperature=temperature, top_p=top_p,
+                               max_total_len=cfg.max_len, logprobs=logprobs), None
 
     def __call__(self, rollouts: list[Rollout], labels: list[str]) -> RewardBatch:
         if self.source is not None:
@@ -150,15 +165,15 @@ class RolloutCollector:
         self.tokenizer = tokenizer
         self.queue: RolloutQueue | None = None  # set once the queue exists
 
-    def generate(self, prompts: list[dict], seed: int, policy_version: int) -> tuple[list[Rollout], list[set[int]]]:
-        """n samples per prompt and, for each, the policy versions that sampled its tokens."""
+    def generate(self, prompts: list[dict], seed: int, policy_version: int,
+                 ) -> tuple[list[Rollout], list[set[int]], RewardBatch | None]:  # fmt: skip
+        """n samples per prompt, for each the policy versions that sampled its tokens, and an agent's rewards."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, logprobs=cfg.enable_vllm_is_correction)
         texts = [p["prompt"] for p in prompts]
         if not cfg.partial_rollout:
-            rollouts = generate_across(self.roles.engines, texts, seed=seed, n=n, max_new_tokens=cfg.generate_max_len,
-                                       max_total_len=cfg.max_len, **sampling)
-            return rollouts, [{policy_version} for _ in rollouts]
+            rollouts, rewards = self.scorer.sample(cfg, self.roles.engines, prompts, n=n, seed=seed, **sampling)
+            return rollouts, [{policy_version} for _ in rollouts], rewards
         prompt_ids = [encode_prompt(self.tokenizer, text) for text in texts]
         budgets = [budget for budget in response_budgets(prompt_ids, cfg.generate_max_len, cfg.max_len)
                    for _ in range(n)]
@@ -181,7 +196,7 @@ class RolloutCollector:
                 elif len(samples[k].token_ids) < budgets[k]:
                     still.append(k)
             active, segment = still, segment + 1
-        return rollouts_of(self.tokenizer, texts, prompt_ids, n, samples), versions
+        return rollouts_of(self.tokenizer, texts, prompt_ids, n, samples), versions, None
 
     def collect(self, step: int, policy_version: int) -> RolloutBatch | None:
         """The rollout of `step`; None when the prompt stream runs out first."""
@@ -198,13 +213,14 @@ class RolloutCollector:
                 return None
             batch.prompts_sampled += len(prompts)
             with timer.phase("generation"):
-                rollouts, versions = self.generate(prompts, cfg.seed * 100_003 + step * 101 + attempt * 7,
-                                                   policy_version)
+                rollouts, versions, rewards = self.generate(prompts, cfg.seed * 100_003 + step * 101 + attempt * 7,
+                                                            policy_version)
             labels = [prompts[i // n]["label"] for i in range(len(rollouts))]
             if cfg.vllm_enable_sleep and self.scorer.reward_group is not None:
                 self.roles.engines_call("sleep")  # the reward model scores on the GPUs the engines free
-            with timer.phase("reward"):
-                rewards = self.scorer(rollouts, labels)
+            if rewards is None:  # an agent's episodes come rewarded
+                with timer.phase("reward"):
+                    rewards = self.scorer(rollouts, labels)
             if bool(rewards.failed.all()):
                 raise RewardUnavailableError(f"no sample of step {step + 1} got a reward: "
                                              + "; ".join(rewards.errors[-3:]))
@@ -267,7 +283,7 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
     """Sequences, log-probs, values, KL, advantages and returns of one rollout batch."""
     rollouts = batch.rollouts
     experience = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
-                                 pad_token_id)
+                                 pad_token_id, [r.response_mask for r in rollouts])
     mask = experience["action_mask"]
     if cfg.enable_vllm_is_correction:
         experience["rollout_logp"] = torch.zeros_like(mask)
@@ -411,10 +427,9 @@ def drift_warnings(cfg, first: dict[str, Any], record: dict[str, Any]) -> dict[s
 
 def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) -> dict[str, float]:
     """Greedy reward (task accuracy with a 0/1 rule reward) and pass@n of the held-out prompts."""
-    texts, labels = [p["prompt"] for p in prompts], [p["label"] for p in prompts]
-    greedy = generate_across(roles.engines, texts, seed=cfg.seed, n=1, max_new_tokens=cfg.generate_max_len,
-                             temperature=0.0, top_p=1.0, max_total_len=cfg.max_len)
-    rewards = scorer(greedy, labels)
+    labels = [p["label"] for p in prompts]
+    greedy, rewards = scorer.sample(cfg, roles.engines, prompts, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed)
+    rewards = rewards if rewards is not None else scorer(greedy, labels)
     metrics = {
         "eval_reward": float(rewards.rewards[~rewards.failed].mean()),
         "eval_response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
@@ -422,9 +437,9 @@ def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) ->
     }
     k = cfg.eval_n_samples_per_prompt
     if k:
-        sampled = generate_across(roles.engines, texts, seed=cfg.seed + 1, n=k, max_new_tokens=cfg.generate_max_len,
-                                  temperature=cfg.eval_temperature, top_p=1.0, max_total_len=cfg.max_len)
-        scores = scorer(sampled, [label for label in labels for _ in range(k)])
+        sampled, scores = scorer.sample(cfg, roles.engines, prompts, n=k, temperature=cfg.eval_temperature,
+                                        top_p=1.0, seed=cfg.seed + 1)
+        scores = scores if scores is not None else scorer(sampled, [label for label in labels for _ in range(k)])
         per_prompt = scores.rewards.view(-1, k)
         answered = ~scores.failed.view(-1, k).any(dim=1)
         metrics["eval_pass1"] = float(per_prompt[answered].mean())
@@ -473,7 +488,8 @@ def run(cfg) -> dict[str, Any]:
         parts["weight_sync"] = time.perf_counter() - synced
         if cfg.vllm_enable_sleep:
             roles.engines_call("sleep")
-        scorer = Scorer(reward_source, roles.get("reward"), tokenizer.pad_token_id)
+        agent = load_agent_executor(cfg.agent_func_path) if cfg.agent_func_path else None
+        scorer = Scorer(reward_source, roles.get("reward"), tokenizer.pad_token_id, agent, tokenizer)
         print(f"[rl] {device}: roles {cfg.role_ranks()} + {len(roles.engines)} engine(s); weight sync "
               f"{sync_bytes / 2**20:.1f} MiB in {len(roles.buckets)} bucket(s); start-up "
               + ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()), flush=True)

@@ -55,6 +55,7 @@ class Rollout:
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
     prompt_ids: list[int]  # the tokens the response was generated from
+    response_mask: list[int] | None = None  # an agent's episode: 1 on the model's tokens, 0 on the environment's
 
 
 @dataclass

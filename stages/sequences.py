@@ -8,13 +8,16 @@ from __future__ import annotations
 import torch
 
 
-def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def build_sequences(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+                    response_masks: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded prompt+response sequences; action_mask[t] marks positions whose next token is a response
-    token (aligned with next-token log-probs and values, which have length T-1)."""
+    token (aligned with next-token log-probs and values, which have length T-1), or with `response_masks` (an
+    agent's episodes) a response token of the model's own, not the environment's."""
     input_ids, attention_mask = pad_sequences([p + r for p, r in zip(prompt_ids, response_ids)], pad_id)
     action_mask = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        action_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+        own = response_masks[i] if response_masks is not None and response_masks[i] is not None else [1.0] * len(r)
+        action_mask[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(own, dtype=torch.float32)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
 
 

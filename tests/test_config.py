@@ -325,6 +325,11 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
          ["--save_value_network exports the critic, which --advantage_estimator rloo does not train"]),
         ("rl", [*TINY, "--async_train"], ["--async_train generates while the actor trains, and "
                                           "--colocate_all_models puts the engines on the actor's GPUs"]),
+        ("rl", [*TINY, "--agent_func_path", "agent.py", "--remote_rm_url", "reward.py"],
+         ["--agent_func_path rewards the episodes itself: not with --remote_rm_url (choose one reward source)"]),
+        ("evaluate", [*TINY, "--agent_timeout", "5"], ["--agent_timeout 5 configures --agent_func_path, which is unset"]),
+        ("rl", [*TINY, "--no_colocate_all_models", "--async_train", "--partial_rollout", "--agent_func_path", "a.py"],
+         ["--partial_rollout generates responses in segments, an agent's episodes in turns"]),
         ("rl", [*TINY, "--partial_rollout"], ["--partial_rollout lets a weight update land during generation ahead "
                                               "of training: it needs --async_train"]),
         ("rl", [*TINY, "--partial_rollout_segment_len", "8"],

@@ -75,6 +75,21 @@ def test_shapes_without_sft_take_their_start_from_the_section():
     assert load_pipeline_config("llama3-8b", {"shape": "rm-rl"}).stages == ("reward_model", "rl", "evaluate")
 
 
+def test_an_rl_agent_gives_the_evaluation_its_episodes_and_no_reward_function_is_filled_in(assets):
+    from pipeline.prepare import prepare
+
+    built = str(Path(assets["prompts_train"]).parent.parent)  # the session's tiny assets, reused as they are
+    config = load_pipeline_config("tiny", {"shape": "sft-rl", "tiny_assets_dir": built,
+                                           "rl": {"agent_func_path": "stages/tiny_agent.py"}})
+    prepared = prepare(config, log=lambda line: None)
+    agent = str(Path(__file__).resolve().parent.parent / "stages" / "tiny_agent.py")
+    assert prepared.rl.agent_func_path == prepared.evaluate.agent_func_path == agent
+    assert prepared.rl.remote_rm_url is None and prepared.evaluate.remote_rm_url is None
+    plain = prepare(load_pipeline_config("tiny", {"shape": "sft-rl", "tiny_assets_dir": built}),
+                    log=lambda line: None)
+    assert plain.evaluate.agent_func_path is None and plain.rl.remote_rm_url.endswith("tiny_reward.py")
+
+
 # ---------------------------------------------------------------------------------------------- the gate
 
 def test_every_gate_threshold_is_a_pipeline_field_and_acts():

@@ -298,25 +298,28 @@ def test_a_night_whose_reward_endpoint_is_down_fails_retryably_and_the_next_nigh
     assert done.returncode == 0 and "FAILED" not in done.stdout and "UNREADABLE" not in done.stdout, done.stdout
 
 
-# A few steps each: these runs check that the shapes run end to end, not what they learn.
-SHAPES_FROM_SFT = {"sft-rl": {"rl": {"max_samples": 32}}, "sft-dpo": {"dpo": {"max_samples": 64}},
-                   "sft-kto": {"kto": {"max_samples": 32}}}
+# A few steps each: these runs check that the shapes run end to end, not what they learn. "sft-rl-agent": RL on
+# the tiny agent's episodes (the evaluation plays them too).
+SHAPES_FROM_SFT = {"sft-rl": ("sft-rl", {"rl": {"max_samples": 32}}), "sft-dpo": ("sft-dpo", {"dpo": {"max_samples": 64}}),
+                   "sft-kto": ("sft-kto", {"kto": {"max_samples": 32}}),
+                   "sft-rl-agent": ("sft-rl", {"rl": {"max_samples": 32, "agent_func_path": "stages/tiny_agent.py"}})}
 
 
 @pytest.fixture(scope="module")
 def shapes_from_sft(resumed_run):
     tmp = resumed_run["tmp"]
     runs = {}
-    for shape, sections in SHAPES_FROM_SFT.items():
-        runs[shape] = run_night(load_pipeline_config("tiny", {
+    for name, (shape, sections) in SHAPES_FROM_SFT.items():
+        runs[name] = run_night(load_pipeline_config("tiny", {
             "artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape,
             "evaluate": {"max_samples": 16, "eval_n_samples_per_prompt": 0}, **sections}))  # fmt: skip
     return runs
 
 
-@pytest.mark.parametrize("shape", SHAPES_FROM_SFT)
-def test_each_shape_from_sft_runs_end_to_end_on_the_committed_sft(resumed_run, shapes_from_sft, shape):
-    night = shapes_from_sft[shape]
+@pytest.mark.parametrize("name", SHAPES_FROM_SFT)
+def test_each_shape_from_sft_runs_end_to_end_on_the_committed_sft(resumed_run, shapes_from_sft, name):
+    shape, sections = SHAPES_FROM_SFT[name]
+    night = shapes_from_sft[name]
     assert night["state"].is_completed(), night["state"].message
     result, sft = night["result"], resumed_run["final_result"].stages["sft"]
     policy = result.stages[result.promotion.stage]
@@ -330,6 +333,12 @@ def test_each_shape_from_sft_runs_end_to_end_on_the_committed_sft(resumed_run, s
     assert policy.metrics["steps"] >= 1
     report = result.stages["evaluate"].metrics
     assert {"accuracy", "reference_accuracy", "kl_mean"} <= set(report) and math.isfinite(report["kl_mean"])
+    # With an agent, RL and the evaluation play its episodes, and no reward function is filled in for either.
+    agent = sections["rl"].get("agent_func_path") if "rl" in sections else None
+    expected = str(PROJECT_ROOT / agent) if agent else None
+    for record in [evaluation] + ([store.get("rl", policy.version)] if policy.stage == "rl" else []):
+        assert record.config.get("agent_func_path") == expected
+        assert (record.config.get("remote_rm_url") is None) == bool(agent)
 
 
 # ---------------------------------------------------------------------------------------------- rehearsals

@@ -186,6 +186,29 @@ def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, es
     assert all(("mixed_version_samples" in r) == ("--partial_rollout" in flags) for r in history)
 
 
+def test_an_agent_task_with_a_second_try_learns_and_is_evaluated_on_the_same_episodes(tmp_path, assets, sft_model):
+    """The tiny task as an agent's episodes (stages/tiny_agent.py): a wrong first answer hears "more" or "less" and
+    answers again. GRPO on the episodes raises held-out episode success by 20 points or more, in RL's own
+    evaluation and in the evaluation stage's, which plays the same episodes with the policy and its reference."""
+    agent = "stages/tiny_agent.py"
+    policy, _ = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--agent_func_path", agent,
+                   "--max_samples", 256, "--eval_dataset", assets["prompts_eval"], "--eval_steps", 8,
+                   "--eval_n_samples_per_prompt", 0)
+    metrics, history = metrics_of(policy), history_of(policy)
+    assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + 0.2, metrics
+    # Second tries count: some episodes failed the first answer and succeeded with the feedback.
+    assert any(r["reward"] > r["reward_first_try"] for r in history)
+    assert all(r["response_length"] > 5 for r in history)
+
+    report = tmp_path / "report"
+    run_stage("evaluate", "--pretrain", policy, "--ref_pretrain", sft_model, "--agent_func_path", agent,
+              "--prompt_data", assets["prompts_eval"], "--save_path", report, "--eval_n_samples_per_prompt", 2)
+    evaluated = metrics_of(report)
+    assert evaluated["accuracy"] - evaluated["reference_accuracy"] >= 0.2, evaluated
+    assert evaluated["accuracy"] == pytest.approx(metrics["eval_reward"], abs=0.05), (evaluated, metrics)
+    assert 0 <= evaluated["pass2"] <= 1 and math.isfinite(evaluated["kl_mean"])
+
+
 def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sft_model):
     reward = tmp_path / "nan_reward.py"
     reward.write_text("import math\n\ndef reward_func(queries, prompts, labels):\n"
