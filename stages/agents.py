@@ -329,7 +329,8 @@ class EngineClient:
         self._maybe_dispatch()
 
     def _maybe_dispatch(self) -> None:
-        if self.pending and len(self.pending) == self.running and not self.dispatching:
+        waiting = {request.episode for request in self.pending}  # an episode may wait on several requests
+        if waiting and len(waiting) >= self.running and not self.dispatching:
             batch, self.pending = sorted(self.pending, key=lambda r: r.episode), []
             self.dispatching = True
             asyncio.get_running_loop().create_task(self._dispatch(batch))
