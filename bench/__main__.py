@@ -3,6 +3,7 @@ tiny pipeline end to end, all in one run on this machine.
 
     python -m bench                      # full: tiny and ~18M-parameter models, 25 and 5 steps, pipeline
     python -m bench --quick              # tiny model, 2 steps, SFT alone, no pipeline (what the test runs)
+    python -m bench --rl_only            # the full RL cases alone (no supervised stages, no pipeline)
 
 Our RL stage also runs with --async_train (rollouts one step ahead) beside a synchronous run on the same placement
 (the full bench; the quick one compares with the hybrid-engine run): loop seconds, accuracy, and how much of the
@@ -192,6 +193,7 @@ def _fmt(value) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, SFT alone, no pipeline")
+    parser.add_argument("--rl_only", action="store_true", help="the RL cases alone: no supervised stages, no pipeline")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="where the JSON goes")
     parser.add_argument("--work_dir", default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args(argv)
@@ -199,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-"))
     with LocalRayHead(auth_mode="disabled") as head:
         RAY_ENV.update(RAY_ADDRESS=head.gcs_address, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-        results = measure(args.quick, work)
+        results = measure(args.quick, work, rl_only=args.rl_only)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(results["table"])
     print(f"\nwritten to {args.out} (machine: {results['machine']['cpus']} CPUs, {results['machine']['cpu']})")
     return 0
 
 
-def measure(quick: bool, work: Path) -> dict:
+def measure(quick: bool, work: Path, rl_only: bool = False) -> dict:
     """Every measurement of the table, one after another."""
     assets = {k: str(v) for k, v in build_tiny_assets(work / "tiny").items()}
     models = {"base": assets["model"]}
@@ -226,10 +228,11 @@ def measure(quick: bool, work: Path) -> dict:
         # Quick: async beside the hybrid sync run; full: also sync on async's placement, the fair comparison.
         for variant in ("async",) if quick else ("separate", "async"):
             results["rl"][case.name][variant] = ours_rl(case, model, assets, work, variant)
-    # Quick: SFT alone (the three stages share the measured loop; each costs a stage start-up).
-    results["supervised"] = supervised(assets, models.get("sft", assets["model"]), work, steps=2 if quick else 20,
-                                       stages=SUPERVISED[:1] if quick else SUPERVISED)
-    if not quick:
+    if not rl_only:
+        # Quick: SFT alone (the three stages share the measured loop; each costs a stage start-up).
+        results["supervised"] = supervised(assets, models.get("sft", assets["model"]), work, steps=2 if quick else 20,
+                                           stages=SUPERVISED[:1] if quick else SUPERVISED)
+    if not (quick or rl_only):
         results["pipeline"] = pipeline(work)
     results["table"] = table(results)
     return results
