@@ -150,12 +150,12 @@ def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, a
     "estimator, flags, margin",
     [
         ("rloo", ("--colocate_all_models",), 0.4),
-        # Async: each rollout sampled by the policy one (two) versions back, the engines' log-probs corrected for;
-        # with partial rollouts generated two tokens at a time, a weight update free to land in between.
-        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1", *ASYNC, "--partial_rollout",
-                       "--partial_rollout_segment_len", 2, "--enable_vllm_is_correction"), 0.4),
-        ("reinforce_baseline", ("--kl_estimator", "k2", *ASYNC, "--async_queue_size", 2,
-                                "--enable_vllm_is_correction", "--vllm_is_correction_type", "icepop"), 0.4),
+        ("reinforce", ("--no_use_kl_loss", "--kl_estimator", "k1"), 0.4),
+        # Async: each rollout sampled by the policy up to two versions back, the engines' log-probs corrected for,
+        # partial rollouts generated two tokens at a time with a weight update free to land in between.
+        ("reinforce_baseline", ("--kl_estimator", "k2", *ASYNC, "--async_queue_size", 2, "--partial_rollout",
+                                "--partial_rollout_segment_len", 2, "--enable_vllm_is_correction",
+                                "--vllm_is_correction_type", "icepop"), 0.4),
         # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3.
         ("dr_grpo", ("--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate", "2e-3", "--packing_samples",
                      "--zero_stage", 3, "--rollout_backend", "vllm"), 0.4),
@@ -192,7 +192,7 @@ def test_an_agent_task_with_a_second_try_learns_and_is_evaluated_on_the_same_epi
     evaluation and in the evaluation stage's, which plays the same episodes with the policy and its reference."""
     agent = "stages/tiny_agent.py"
     policy, _ = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--agent_func_path", agent,
-                   "--max_samples", 256, "--eval_dataset", assets["prompts_eval"], "--eval_steps", 8,
+                   "--max_samples", 192, "--eval_dataset", assets["prompts_eval"], "--eval_steps", 6,
                    "--eval_n_samples_per_prompt", 0)
     metrics, history = metrics_of(policy), history_of(policy)
     assert metrics["eval_reward"] >= metrics["eval_reward_initial"] + 0.2, metrics
@@ -202,11 +202,11 @@ def test_an_agent_task_with_a_second_try_learns_and_is_evaluated_on_the_same_epi
 
     report = tmp_path / "report"
     run_stage("evaluate", "--pretrain", policy, "--ref_pretrain", sft_model, "--agent_func_path", agent,
-              "--prompt_data", assets["prompts_eval"], "--save_path", report, "--eval_n_samples_per_prompt", 2)
+              "--prompt_data", assets["prompts_eval"], "--save_path", report, "--eval_n_samples_per_prompt", 1)
     evaluated = metrics_of(report)
     assert evaluated["accuracy"] - evaluated["reference_accuracy"] >= 0.2, evaluated
     assert evaluated["accuracy"] == pytest.approx(metrics["eval_reward"], abs=0.05), (evaluated, metrics)
-    assert 0 <= evaluated["pass2"] <= 1 and math.isfinite(evaluated["kl_mean"])
+    assert 0 <= evaluated["pass1"] <= 1 and math.isfinite(evaluated["kl_mean"])
 
 
 def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sft_model):
