@@ -159,7 +159,21 @@ def whole_prompt_prefill(max_model_len: int | None) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len or 0, 8192)}
 
 
-class VLLMEngine:
+class PromptGeneration:
+    """`generate` (n samples per text prompt) on top of an engine's token-level `extend`."""
+
+    def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
+        _check_sampling(n, max_new_tokens, temperature, top_p)
+        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
+        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
+        samples = [k // n for k in range(len(prompts) * n)]
+        extensions = self.extend([prompt_ids[i] for i in samples], [budgets[i] for i in samples],
+                                 temperature=temperature, top_p=top_p, seed=seed, logprobs=logprobs)
+        return rollouts_of(self.tokenizer, prompts, prompt_ids, n, extensions)
+
+
+class VLLMEngine(PromptGeneration):
     """vLLM `LLM` with the engine core in this process (TP 1) or Ray workers in the placement group (TP > 1)."""
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
@@ -196,16 +210,6 @@ class VLLMEngine:
             worker_extension_cls="stages.weight_sync.VLLMWeightReceiver",
             **({} if use_gpu else whole_prompt_prefill(max_model_len)),
         )
-
-    def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
-        _check_sampling(n, max_new_tokens, temperature, top_p)
-        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
-        samples = [k // n for k in range(len(prompts) * n)]
-        extensions = self.extend([prompt_ids[i] for i in samples], [budgets[i] for i in samples],
-                                 temperature=temperature, top_p=top_p, seed=seed, logprobs=logprobs)
-        return rollouts_of(self.tokenizer, prompts, prompt_ids, n, extensions)
 
     def extend(self, sequences: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
                seed: int | None, logprobs: bool = False) -> list[Extension]:
@@ -296,7 +300,7 @@ class VLLMEngine:
         del self.llm
 
 
-class HFEngine:
+class HFEngine(PromptGeneration):
     """transformers `generate` on one device, in chunks of `max_batch_size` sequences."""
 
     def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32", max_batch_size: int = 64):
@@ -319,16 +323,6 @@ class HFEngine:
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids,
                                                         pad_token_id=self.tokenizer.pad_token_id)
         torch.manual_seed(seed)
-
-    def generate(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, logprobs: bool = False, max_total_len: int | None = None) -> list[Rollout]:
-        _check_sampling(n, max_new_tokens, temperature, top_p)
-        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        budgets = response_budgets(prompt_ids, max_new_tokens, max_total_len)
-        samples = [k // n for k in range(len(prompts) * n)]
-        extensions = self.extend([prompt_ids[i] for i in samples], [budgets[i] for i in samples],
-                                 temperature=temperature, top_p=top_p, seed=seed, logprobs=logprobs)
-        return rollouts_of(self.tokenizer, prompts, prompt_ids, n, extensions)
 
     @torch.no_grad()
     def extend(self, sequences: list[list[int]], budgets: list[int], *, temperature: float, top_p: float,
