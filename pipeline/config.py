@@ -21,9 +21,11 @@ from stages.config import (
     SFTConfig,
     StageConfig,
     StrictModel,
+    deep_merge,
+    preset_data,
     preset_path,
     preset_sections,
-    read_yaml_mapping,
+    resolve_extends,
     validation_messages,
 )
 from stages.fields import RunOverride, names_with
@@ -135,6 +137,12 @@ class PipelineConfig(StrictModel):
     """One full-rlhf run (the stages of its shape, then evaluation and the gate) and where its artifacts go; a
     preset's schema."""
 
+    extends: str | None = Field(
+        None,
+        description="preset (name or YAML path) this config starts from: its own keys are merged over the preset's, "
+        "a stage section key by key; resolved as the config is read (a preset that extends another names its own "
+        "pipeline)",
+    )
     name: str = Field(
         "rlhf", pattern=r"^[a-z0-9][a-z0-9-]*$",
         description="pipeline name: artifact namespace (lowercase letters, digits, dashes)",
@@ -157,6 +165,12 @@ class PipelineConfig(StrictModel):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="evaluation stage")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="DPO stage (shapes sft-dpo and dpo)")
     kto: KTOConfig = Field(default_factory=KTOConfig, description="KTO stage (shapes sft-kto and kto)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _extends_a_preset(cls, data):
+        # A deployment's `config` parameter is its preset verbatim, `extends:` included.
+        return resolve_extends(data, "config") if isinstance(data, dict) else data
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -190,9 +204,10 @@ class PipelineConfig(StrictModel):
 # ---------------------------------------------------------------- presets
 
 def load_preset(name_or_path: str) -> dict:
-    """The preset as a dict: pipeline keys plus one section per stage (an empty section when absent or null)."""
+    """The preset as a dict, with what it extends: pipeline keys plus one section per stage (an empty section when
+    absent or null)."""
     path = preset_path(name_or_path)
-    data = read_yaml_mapping(path)
+    data = preset_data(path)
     unknown = sorted(set(data) - set(PipelineConfig.model_fields))
     if unknown:
         raise ConfigError(
@@ -204,7 +219,7 @@ def load_preset(name_or_path: str) -> dict:
 
 def load_pipeline_config(name_or_path: str, overrides: dict | None = None) -> PipelineConfig:
     """A preset with `overrides` merged into it (nested dicts merge, e.g. {"rl": {"seed": 1}}), validated."""
-    return validate_pipeline(_deep_merge(load_preset(name_or_path), overrides or {}), str(preset_path(name_or_path)))
+    return validate_pipeline(deep_merge(load_preset(name_or_path), overrides or {}), str(preset_path(name_or_path)))
 
 
 def validate_pipeline(data: dict, where: str) -> PipelineConfig:
@@ -214,16 +229,6 @@ def validate_pipeline(data: dict, where: str) -> PipelineConfig:
     except ValidationError as error:
         lines = validation_messages(error, lambda loc: ".".join(str(part) for part in loc))
         raise ConfigError(f"{where}: " + "; ".join(lines)) from error
-
-
-def _deep_merge(base: dict, overrides: dict) -> dict:
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def refused_overrides(deployed: PipelineConfig, requested: PipelineConfig) -> list[str]:

@@ -1049,11 +1049,47 @@ def preset_sections(path: Path, data: dict) -> dict[str, dict]:
     return sections
 
 
+def preset_data(path: Path) -> dict:
+    """A preset file's mapping with its `extends:` resolved: the named preset's data (itself resolved), this file's
+    keys merged over it, a stage section key by key."""
+    return resolve_extends(read_yaml_mapping(path), str(path), ())
+
+
+def resolve_extends(data: dict, where: str, chain: tuple[Path, ...] = ()) -> dict:
+    """`data` without its `extends: <preset name or YAML path>`, merged over the preset it names. A preset that
+    extends another names its own pipeline: with the base's name its runs would share the base's artifacts and
+    production policy."""
+    if data.get("extends") is None:  # none, or a config already resolved (dumped with `extends: null`)
+        return data
+    own = {key: value for key, value in data.items() if key != "extends"}
+    base = data["extends"]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{where}: extends must name a preset ({', '.join(preset_names())}) or a YAML path")
+    if "name" not in own:
+        raise ConfigError(f"{where}: extends {base} but sets no name of its own: its runs would share {base}'s "
+                          "artifacts and production policy")
+    base_path = preset_path(base).resolve()
+    if base_path in chain:
+        raise ConfigError(f"{where}: extends {base}, which extends it back ({' -> '.join(p.stem for p in chain)})")
+    return deep_merge(resolve_extends(read_yaml_mapping(base_path), str(base_path), (*chain, base_path)), own)
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """`overrides` over `base`; nested mappings merge key by key."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def stage_values(name_or_path: str, stage: str) -> tuple[dict, str, str]:
-    """(values, file, key prefix) of `stage` from --config: a preset's `stage:` section, or the whole file when it
-    holds one stage's flags at the top level (no stage section in it)."""
+    """(values, file, key prefix) of `stage` from --config: a preset's `stage:` section (with what it extends), or
+    the whole file when it holds one stage's flags at the top level (no stage section in it)."""
     path = preset_path(name_or_path)
-    data = read_yaml_mapping(path)
+    data = preset_data(path)
     if data and not set(data) & set(STAGE_CONFIGS):
         return data, str(path), ""
     return preset_sections(path, data)[stage], str(path), f"{stage}."

@@ -10,7 +10,7 @@ import yaml
 from pipeline.config import PipelineConfig, load_pipeline_config, load_preset
 from pipeline.identity import stage_identity
 from stages.cli import build_parser, parse_stage_args
-from stages.config import STAGE_CONFIGS, ConfigError, RLConfig
+from stages.config import CONFIG_DIR, STAGE_CONFIGS, ConfigError, RLConfig
 
 # ---------------------------------------------------------------- the seed's commands, module paths swapped
 
@@ -395,12 +395,41 @@ def test_presets_load_and_validate():
     assert llama.reward_model.max_len == 8192 and llama.dpo.beta == 0.1
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama3-8b"])
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b", "tiny-agent"])
 def test_every_stage_parses_from_each_preset(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # presets are found next to the package, not in the working directory
     for stage in STAGE_CONFIGS:
         cfg = parse_stage_args(stage, ["--config", preset], require_inputs=False)
         assert cfg == getattr(load_pipeline_config(preset), stage)
+
+
+def test_a_preset_extends_another_section_by_section(tmp_path):
+    """tiny-agent extends tiny: its keys over tiny's, a stage section key by key, for the pipeline, a stage's --config
+    and a deployment's `config` parameter (the preset verbatim, `extends:` included) alike."""
+    agent, tiny = load_pipeline_config("tiny-agent"), load_pipeline_config("tiny")
+    assert (agent.name, agent.shape, agent.rl.agent_func_path) == ("tiny-agent", "sft-rl", "stages/tiny_agent.py")
+    assert agent.rl.model_copy(update={"agent_func_path": None}) == tiny.rl and agent.sft == tiny.sft
+    assert parse_stage_args("rl", ["--config", "tiny-agent"], require_inputs=False) == agent.rl
+    parameter = yaml.safe_load((CONFIG_DIR / "tiny-agent.yaml").read_text())
+    assert parameter["extends"] == "tiny" and PipelineConfig.model_validate(parameter) == agent
+    assert PipelineConfig.model_validate(agent.model_dump(mode="json")) == agent  # a flow run's stored parameter
+
+    child = tmp_path / "child.yaml"
+    child.write_text(f"extends: {tmp_path / 'middle.yaml'}\nname: child\nrl:\n  seed: 5\n")
+    (tmp_path / "middle.yaml").write_text("extends: tiny\nname: middle\nrl:\n  seed: 4\n  temperature: 0.5\n")
+    chained = load_pipeline_config(str(child))
+    assert (chained.name, chained.rl.seed, chained.rl.temperature, chained.shape) == ("child", 5, 0.5, tiny.shape)
+
+    (tmp_path / "nameless.yaml").write_text("extends: tiny\nrl:\n  seed: 4\n")
+    with pytest.raises(ConfigError, match="extends tiny but sets no name of its own: its runs would share tiny's"):
+        load_pipeline_config(str(tmp_path / "nameless.yaml"))
+    (tmp_path / "a.yaml").write_text(f"extends: {tmp_path / 'b.yaml'}\nname: a\n")
+    (tmp_path / "b.yaml").write_text(f"extends: {tmp_path / 'a.yaml'}\nname: b\n")
+    with pytest.raises(ConfigError, match="which extends it back"):
+        load_pipeline_config(str(tmp_path / "a.yaml"))
+    (tmp_path / "typo.yaml").write_text("extends: tiny\nname: typo\nrl:\n  actor_lr: 1.0\n")
+    with pytest.raises(ConfigError, match="unknown field rl.actor_lr"):
+        load_pipeline_config(str(tmp_path / "typo.yaml"))
 
 
 def test_flags_override_the_preset_section(tmp_path):

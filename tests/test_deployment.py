@@ -77,7 +77,7 @@ def test_deployment_parameters_are_the_presets():
     text = (PROJECT_ROOT / "prefect.yaml").read_text()
     assert text == regenerated(text), "prefect.yaml differs from the presets: run python tests/presets_in_prefect_yaml.py"
     deployments = {d["name"]: d for d in prefect_yaml()["deployments"]}
-    assert set(deployments) == {"llama3-8b", "llama3-8b-grpo", "tiny"}
+    assert set(deployments) == {"llama3-8b", "llama3-8b-grpo", "tiny", "tiny-agent"}
     for name, deployment in deployments.items():
         preset = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
         assert deployment["parameters"]["config"] == preset, f"prefect.yaml {name}: differs from configs/{name}.yaml"
