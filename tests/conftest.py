@@ -42,6 +42,38 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
         return pickle.loads(result.read_bytes())
 
 
+# How the two pytest-xdist workers share the suite (`--dist loadscope`, pyproject.toml). A file runs in one worker, its
+# module fixtures (a Prefect server, an operated night, a Ray head) built once there; the files whose tests share
+# only the session's built-once fixtures spread test by test. The longest units go first, so that the short ones
+# fill the end of the run instead of one worker finishing a long file alone.
+SPREAD_FILES = ("test_rl.py", "test_stages.py")
+LONGEST_FIRST = ("test_pipeline.py", "test_deployment.py", "test_rehearsals.py", "test_rl.py", "test_stages.py",
+                 "test_bench.py", "test_orchestration.py", "test_rollout.py", "test_transient.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` with a file as the scope, but a test of SPREAD_FILES as its own (xdist's loadgroup marks
+    no longer reach the scheduler under pytest 9's node ids)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrTestScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if Path(path).name in SPREAD_FILES else path
+
+    return FileOrTestScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, Path]:
     """The tiny model, tokenizer and datasets (seed 0), built once; no test writes into them."""

@@ -11,9 +11,9 @@ The nights after it, on the same store (its policy is production now):
 - nothing changed: every stage is reused, no Ray job is submitted;
 - the evaluation's HTTP reward endpoint is down: the evaluation fails retryably and commits nothing; the next
   night, the endpoint back, completes, and the whole store verifies;
-- the other shapes that start from SFT (RL with a reward function, DPO, KTO), a few steps each, on the same SFT.
-On the same Prefect server and Ray head, `python -m flows.run --rehearse` runs each GPU preset on CPU; the RL job of
-the llama3-8b rehearsal is killed after its first checkpoint and resumes from it through the task's retry.
+- the other shapes that start from SFT (RL with a reward function or an agent, DPO, KTO), a few steps each, on the
+  same SFT.
+The GPU presets' rehearsals run in tests/test_rehearsals.py, beside this module.
 """
 
 from __future__ import annotations
@@ -30,19 +30,18 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
-from prefect.testing.utilities import prefect_test_harness
+from prefect.settings import PREFECT_API_URL
 
 from flows.full_rlhf import full_rlhf
 from flows.results import PipelineResult
 from infra.artifacts import open_store
-from infra.ray_cluster import LocalRayHead, job_client
-from infra.settings import PROJECT_ROOT, get_settings
-from pipeline.config import load_pipeline_config, policy_stage
+from infra.ray_cluster import job_client
+from infra.settings import PROJECT_ROOT
+from pipeline.config import load_pipeline_config
 from conftest import free_port
 from faults import KillJobAfterCheckpoint
+from local_pipeline import local_pipeline_environment
 from reward_server import RewardServer
-from pipeline.identity import stage_code_version
 from stages.config import STAGE_CONFIGS
 from stages.fields import Output, names_with
 
@@ -84,57 +83,38 @@ def resumed_run(tmp_path_factory):
     config = load_pipeline_config(
         "tiny", {"artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets")}
     )
-    head = LocalRayHead(num_cpus=2, auth_mode="disabled")
-    with pytest.MonkeyPatch.context() as env, head:
-        for name, value in {
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "RLHF_RAY_ADDRESS": head.address,
-            "RLHF_RAY_AUTH_MODE": "disabled",
-            "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"),
-            "RLHF_RESULT_STORAGE": str(tmp / "task-results"),
-            "RLHF_MAX_RETRIES": "0",
-            "RLHF_POLL_INTERVAL_S": "1",
-            "RLHF_STAGE_DEADLINE_S": "1200",  # a stage that hangs fails the test instead of blocking it
-        }.items():
-            env.setenv(name, value)
-        env.delenv("RLHF_ARTIFACT_ROOT", raising=False)
-        # Pinned, so that an edit of stages/ while this test runs cannot change the stage keys between the run
-        # and its retry (a new key means a new workspace, without the checkpoint to resume from).
-        env.setenv("RLHF_CODE_VERSION", stage_code_version(get_settings(), "rl"))
-        env.setenv("PREFECT_LOCAL_STORAGE_PATH", str(tmp / "prefect-results"))  # the flow's result, for the CLI
+    with local_pipeline_environment(tmp) as head:
         client = job_client(head.address)
-        flow_results = temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: tmp / "prefect-results"})
-        with prefect_test_harness(server_startup_timeout=180), flow_results:
-            killer = KillJobAfterCheckpoint(tmp / "workspace", "tiny", "rl")
-            killer.start()
-            failed = full_rlhf(config, return_state=True)
-            killer.stop()
-            flow_run_id = failed.state_details.flow_run_id
-            after_failure = {
-                "state": failed,
-                "jobs": jobs_by_stage(client),
-                "task_runs": task_runs_of(flow_run_id),
-                "versions": {stage: open_store(config.artifact_root, "tiny").versions(stage) for stage in STAGES},
-            }
-            # The CLI path a user takes: same flow run id, executed again (here: locally, from the entrypoint).
-            retry = subprocess.run(
-                [str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", str(flow_run_id),
-                 "--entrypoint", "flows/full_rlhf.py:full_rlhf"],
-                cwd=PROJECT_ROOT, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-                capture_output=True, text=True, timeout=1800,
-            )  # fmt: skip
-            with get_client(sync_client=True) as prefect:
-                final_state = prefect.read_flow_run(flow_run_id).state
-            yield {
-                "config": config,
-                "tmp": tmp,
-                "after_failure": after_failure,
-                "retry": retry,
-                "final_state": final_state,
-                "final_result": final_state.result() if final_state.is_completed() else None,
-                "jobs": jobs_by_stage(client),
-                "task_runs": task_runs_of(flow_run_id),
-            }
+        killer = KillJobAfterCheckpoint(tmp / "workspace", "tiny", "rl")
+        killer.start()
+        failed = full_rlhf(config, return_state=True)
+        killer.stop()
+        flow_run_id = failed.state_details.flow_run_id
+        after_failure = {
+            "state": failed,
+            "jobs": jobs_by_stage(client),
+            "task_runs": task_runs_of(flow_run_id),
+            "versions": {stage: open_store(config.artifact_root, "tiny").versions(stage) for stage in STAGES},
+        }
+        # The CLI path a user takes: same flow run id, executed again (here: locally, from the entrypoint).
+        retry = subprocess.run(
+            [str(Path(sys.executable).parent / "prefect"), "flow-run", "retry", str(flow_run_id),
+             "--entrypoint", "flows/full_rlhf.py:full_rlhf"],
+            cwd=PROJECT_ROOT, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+            capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        with get_client(sync_client=True) as prefect:
+            final_state = prefect.read_flow_run(flow_run_id).state
+        yield {
+            "config": config,
+            "tmp": tmp,
+            "after_failure": after_failure,
+            "retry": retry,
+            "final_state": final_state,
+            "final_result": final_state.result() if final_state.is_completed() else None,
+            "jobs": jobs_by_stage(client),
+            "task_runs": task_runs_of(flow_run_id),
+        }
 
 
 def test_pipeline_learns(resumed_run):
@@ -298,19 +278,21 @@ def test_a_night_whose_reward_endpoint_is_down_fails_retryably_and_the_next_nigh
     assert done.returncode == 0 and "FAILED" not in done.stdout and "UNREADABLE" not in done.stdout, done.stdout
 
 
-# A few steps each: these runs check that the shapes run end to end, not what they learn. "sft-rl-agent": RL on
-# the tiny agent's episodes (the evaluation plays them too).
-SHAPES_FROM_SFT = {"sft-rl": ("sft-rl", {"rl": {"max_samples": 32}}), "sft-dpo": ("sft-dpo", {"dpo": {"max_samples": 64}}),
-                   "sft-kto": ("sft-kto", {"kto": {"max_samples": 32}}),
-                   "sft-rl-agent": ("sft-rl", {"rl": {"max_samples": 32, "agent_func_path": "stages/tiny_agent.py"}})}
+# A few steps each: these runs check that the shapes run end to end, not what they learn. "sft-rl-agent" is the
+# tiny-agent preset (it extends tiny): RL on the tiny agent's episodes, the evaluation playing them too; on tiny's
+# store (its name), so that it starts from the committed SFT like the others.
+SHAPES_FROM_SFT = {"sft-rl": ("tiny", "sft-rl", {"rl": {"max_samples": 32}}),
+                   "sft-dpo": ("tiny", "sft-dpo", {"dpo": {"max_samples": 64}}),
+                   "sft-kto": ("tiny", "sft-kto", {"kto": {"max_samples": 32}}),
+                   "sft-rl-agent": ("tiny-agent", "sft-rl", {"name": "tiny", "rl": {"max_samples": 32}})}
 
 
 @pytest.fixture(scope="module")
 def shapes_from_sft(resumed_run):
     tmp = resumed_run["tmp"]
     runs = {}
-    for name, (shape, sections) in SHAPES_FROM_SFT.items():
-        runs[name] = run_night(load_pipeline_config("tiny", {
+    for name, (preset, shape, sections) in SHAPES_FROM_SFT.items():
+        runs[name] = run_night(load_pipeline_config(preset, {
             "artifact_root": str(tmp / "artifacts"), "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape,
             "evaluate": {"max_samples": 16, "eval_n_samples_per_prompt": 0}, **sections}))  # fmt: skip
     return runs
@@ -318,7 +300,7 @@ def shapes_from_sft(resumed_run):
 
 @pytest.mark.parametrize("name", SHAPES_FROM_SFT)
 def test_each_shape_from_sft_runs_end_to_end_on_the_committed_sft(resumed_run, shapes_from_sft, name):
-    shape, sections = SHAPES_FROM_SFT[name]
+    preset, shape, sections = SHAPES_FROM_SFT[name]
     night = shapes_from_sft[name]
     assert night["state"].is_completed(), night["state"].message
     result, sft = night["result"], resumed_run["final_result"].stages["sft"]
@@ -334,78 +316,8 @@ def test_each_shape_from_sft_runs_end_to_end_on_the_committed_sft(resumed_run, s
     report = result.stages["evaluate"].metrics
     assert {"accuracy", "reference_accuracy", "kl_mean"} <= set(report) and math.isfinite(report["kl_mean"])
     # With an agent, RL and the evaluation play its episodes, and no reward function is filled in for either.
-    agent = sections["rl"].get("agent_func_path") if "rl" in sections else None
+    agent = load_pipeline_config(preset).rl.agent_func_path
     expected = str(PROJECT_ROOT / agent) if agent else None
     for record in [evaluation] + ([store.get("rl", policy.version)] if policy.stage == "rl" else []):
         assert record.config.get("agent_func_path") == expected
         assert (record.config.get("remote_rm_url") is None) == bool(agent)
-
-
-# ---------------------------------------------------------------------------------------------- rehearsals
-
-GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
-
-
-@pytest.fixture(scope="module")
-def rehearsals(resumed_run):
-    """`python -m flows.run --preset <preset> --rehearse`, as a user runs it, on this module's server and head; the
-    RL job of the llama3-8b rehearsal is killed after its first checkpoint, and the task's retry resumes it."""
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    client = job_client(os.environ["RLHF_RAY_ADDRESS"])
-    runs = {}
-    for preset in GPU_PRESETS:
-        root = resumed_run["tmp"] / "rehearsals" / preset
-        killer = None
-        if preset == "llama3-8b":
-            killer = KillJobAfterCheckpoint(resumed_run["tmp"] / "workspace", preset, "rl")
-            killer.start()
-        started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "flows.run", "--preset", preset, "--rehearse", "--artifact_root",
-                               str(root)], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1800,
-                              env={**env, "RLHF_MAX_RETRIES": "1", "RLHF_RETRY_DELAY_S": "0"})  # fmt: skip
-        if killer is not None:
-            killer.stop()
-        rl_jobs = sorted((job for job in client.list_jobs() if job.metadata.get("pipeline") == preset
-                          and job.metadata.get("stage") == "rl"), key=lambda job: int(job.metadata["attempt"]))
-        runs[preset] = {"done": done, "seconds": time.monotonic() - started, "root": root,
-                        "killed": killer.killed_pid if killer else None,
-                        "rl_jobs": [job.status.value for job in rl_jobs]}
-    return runs
-
-
-@pytest.mark.parametrize("preset", GPU_PRESETS)
-def test_gpu_preset_rehearsed_on_cpu_end_to_end(rehearsals, preset):
-    run = rehearsals[preset]
-    out = run["done"].stdout
-    assert run["done"].returncode == 0, out[-6000:] + run["done"].stderr[-6000:]
-    print(f"{preset} rehearsed in {run['seconds']:.0f} s\n{out}")
-    assert f"rehearsal of {preset} completed in" in out
-    table = out.split("but for these swaps\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    assert table[0].split() == ["stage", "field", "preset", "rehearsal", "why"]
-    config = load_pipeline_config(preset)
-    swapped = {tuple(line.split()[:2]) for line in table[1:]}
-    store = open_store(str(run["root"] / "artifacts"), preset)
-    for stage in config.stages:
-        manifest = store.get(stage, 1)
-        preset_values = config.section(stage).model_dump(mode="json")
-        for field, value in manifest.config.items():  # what the job ran with: the preset's, but for the swaps
-            if field in manifest.inputs or field in names_with(STAGE_CONFIGS[stage], Output) or (stage, field) in swapped:
-                continue
-            preset_value = preset_values[field]  # a relative path is made absolute for the jobs
-            assert value == preset_value or value == str((PROJECT_ROOT / str(preset_value)).resolve()), (stage, field)
-    assert store.get(policy_stage(config.shape), 1).metrics["steps"] >= 2
-    logged = out + run["done"].stderr  # the stages' job logs come through the flow's log
-    if preset == "llama3-8b":  # PPO on the hybrid engine: every model on 2 CPU ranks, the GPU-only flags said once
-        assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in logged
-        for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):  # once per start of the RL job
-            assert logged.count(f"[rl] --{flag} has no effect on CPU") == len(run["rl_jobs"]), run["rl_jobs"]
-
-
-def test_the_llama3_8b_rehearsal_resumes_its_killed_rl_job_from_the_checkpoint(rehearsals):
-    run = rehearsals["llama3-8b"]
-    assert run["done"].returncode == 0, run["done"].stdout[-6000:] + run["done"].stderr[-6000:]
-    assert run["killed"] is not None, "the RL job was never killed: no checkpoint before its end"
-    assert run["rl_jobs"] == ["FAILED", "SUCCEEDED"]
-    rl = open_store(str(run["root"] / "artifacts"), "llama3-8b").get("rl", 1)
-    assert rl.config["save_steps"] == 1  # the preset's interval, scaled to the rehearsal's two steps
-    assert rl.metrics["resumed_from_step"] == 1 and rl.metrics["steps"] == 2

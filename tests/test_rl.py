@@ -16,6 +16,7 @@ import yaml
 
 from stages.cli import parse_stage_args
 from stages.model_io import load_value_model
+from pipeline.config import load_pipeline_config
 from pipeline.rehearsal import StandIns, rehearse_stage
 
 from conftest import free_port
@@ -27,7 +28,7 @@ from test_rewards import RewardServer
 pytestmark = pytest.mark.slow
 
 RULE_REWARD = "stages/tiny_reward.py"
-SEED_COMMANDS = {"SEED_PPO_HYBRID": SEED_PPO_HYBRID, "SEED_PPO": SEED_PPO, "SEED_GRPO": SEED_GRPO}
+SEED_COMMANDS = {"SEED_PPO": SEED_PPO, "SEED_GRPO": SEED_GRPO}
 # PPO on the tiny task: 4 samples per prompt (one optimizer step of 128 per rollout), the KL in the reward (k1),
 # rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
 PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
@@ -218,12 +219,12 @@ def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sf
     assert "reward_func in" in proc.stderr and "nan_reward.py returned non-finite rewards (nan) at index 3" in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["SEED_PPO_HYBRID", "SEED_PPO", "SEED_GRPO"])
+# The hybrid-engine line is the llama3-8b preset's RL section (below), which tests/test_rehearsals.py runs, killed
+# and resumed, in the preset's rehearsal: running it here again would rehearse the same stage twice.
+@pytest.mark.parametrize("command", ["SEED_PPO", "SEED_GRPO"])
 def test_the_seed_rl_commands_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model, command):
-    """Each of the seed's three RL commands (our module path: the quick start's hybrid engine with packing and
-    gradient checkpointing, Workflow 1's PPO, Workflow 2's GRPO) runs two rollouts with only the stated swaps, every
-    flag meaning what it means in OpenRLHF. (The llama3-8b presets' RL sections are rehearsed, in their pipelines,
-    by tests/test_pipeline.py.)"""
+    """The seed's Workflow 1 PPO and Workflow 2 GRPO commands (our module path) run two rollouts with only the
+    stated swaps, every flag meaning what it means in OpenRLHF."""
     argv = stage_argv(SEED_COMMANDS[command])[1]
     preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
     stand_ins = StandIns(base_model=str(assets["model"]), policy_model=str(sft_model), reward_model=str(reward_model),
@@ -249,6 +250,20 @@ def test_the_seed_rl_commands_rehearsed_on_cpu(tmp_path, assets, sft_model, rewa
         assert all(math.isfinite(r["critic_loss"]) for r in history)
         for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
             assert f"--{flag} has no effect on CPU" in proc.stdout
+
+
+def test_the_seed_hybrid_engine_command_is_the_llama3_8b_presets_rl_section():
+    """The quick start's hybrid-engine PPO line (packing, gradient checkpointing, sleep, colocated) sets every
+    training setting the llama3-8b preset's RL section sets, so the preset's rehearsal (tests/test_rehearsals.py: two
+    rollouts on 2 CPU ranks per model, killed after the first checkpoint and resumed) is that command's rehearsal.
+    They differ only where the command leaves a setting to its defaults: the device (auto: the cluster's GPUs),
+    FlashAttention, the prompts it is given, and how much and how often to save."""
+    command = parse_stage_args("rl", stage_argv(SEED_PPO_HYBRID)[1], require_inputs=False).model_dump(mode="json")
+    preset = load_pipeline_config("llama3-8b").rl.model_dump(mode="json")
+    differing = {field for field in command if command[field] != preset[field]}
+    assert differing == {"device", "flash_attn", "prompt_data", "input_key", "apply_chat_template", "max_samples",
+                         "save_path", "save_steps", "max_ckpt_num"}, differing
+    assert (command["device"], preset["device"]) == ("auto", "cuda")
 
 
 def ragged_prompts(path: Path, out: Path, seed: int) -> Path:
