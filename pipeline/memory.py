@@ -8,7 +8,7 @@ What each model holds on a GPU, by role:
   the base weights.
 - frozen (reference, reward model): the weights (partitioned with ZeRO-3), and a forward's activations.
 - engines (vLLM): --vllm_gpu_memory_utilization of each engine GPU, weights and KV cache together.
-Activations of one training micro-batch of b sequences of s tokens, hidden size h, L layers, vocabulary V: with
+Activations of one training micro-batch of b sequences of s tokens (with --use_dynamic_batch: its token budget for b·s), hidden size h, L layers, vocabulary V: with
 gradient checkpointing each layer keeps its input (b·s·h values, 2 bytes each with bf16, 4 in fp32) and one layer
 at a time is recomputed whole; without, each layer keeps about 17·b·s·h values (Korthikanti et al. 2022, with
 FlashAttention's O(s) attention); the actor adds its logits and their fp32 log-softmax, b·s·V·(2 + 4) bytes.
@@ -87,15 +87,14 @@ def _logits(shape: ModelShape, tokens: int, value_bytes: int) -> float:
 
 
 def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, adam_offload: bool,
-                   lora: bool, gradient_checkpointing: bool, micro_batch: int, seq_len: int,
-                   with_logits: bool) -> RoleMemory:
+                   lora: bool, gradient_checkpointing: bool, tokens: int, with_logits: bool) -> RoleMemory:
+    """What a trained model holds on one GPU, its activations over a micro-batch of `tokens` tokens."""
     n, value_bytes = shape.params, 2 if bf16 else 4
     memory = RoleMemory(role)
     memory.weights = n * value_bytes / (ranks if zero_stage == 3 else 1)
     if not lora:
         memory.gradients = n * value_bytes / (ranks if zero_stage >= 2 else 1)
         memory.optimizer = 0.0 if adam_offload else n * (12 if bf16 else 8) / (ranks if zero_stage >= 1 else 1)
-    tokens = micro_batch * seq_len
     layer = _layer_activations(shape, tokens, value_bytes)
     kept = (shape.layers * tokens * shape.hidden * value_bytes + layer if gradient_checkpointing
             else shape.layers * layer)
@@ -103,10 +102,10 @@ def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int,
     return memory
 
 
-def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, micro_batch: int,
-                  seq_len: int, with_logits: bool) -> RoleMemory:
+def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, tokens: int,
+                  with_logits: bool) -> RoleMemory:
+    """What a frozen model holds on one GPU, a forward over `tokens` tokens at a time."""
     value_bytes = 2 if bf16 else 4
-    tokens = micro_batch * seq_len
     memory = RoleMemory(role, weights=shape.params * value_bytes / (ranks if zero_stage == 3 else 1))
     # A forward keeps one layer's activations at a time, plus the logits it reads log-probs from.
     memory.activations = (_layer_activations(shape, tokens, value_bytes)
@@ -118,6 +117,9 @@ def rl_memory(cfg, shapes: dict[str, ModelShape], gpu_bytes: float) -> list[tupl
     """[(GPU group, its roles, peak bytes per GPU)] of an RL config; `shapes` by role (actor, critic, ref,
     reward), a role without a shape is left out (said by the caller)."""
     seq_len = cfg.prompt_max_len + cfg.generate_max_len
+    # Tokens per micro-batch: --use_dynamic_batch's budgets, else micro-batches of full-length sequences.
+    train_tokens = cfg.train_token_budget or cfg.micro_train_batch_size * seq_len
+    rollout_tokens = cfg.rollout_token_budget or cfg.micro_rollout_batch_size * seq_len
     ranks = cfg.role_ranks()
     common = {"zero_stage": cfg.zero_stage, "bf16": cfg.bf16}
     roles: dict[str, RoleMemory] = {}
@@ -126,11 +128,11 @@ def rl_memory(cfg, shapes: dict[str, ModelShape], gpu_bytes: float) -> list[tupl
             roles[role] = trained_memory(
                 role, shapes[role], ranks=ranks[role], adam_offload=cfg.adam_offload,
                 lora=cfg.lora_rank > 0 and role == "actor", gradient_checkpointing=cfg.gradient_checkpointing,
-                micro_batch=cfg.micro_train_batch_size, seq_len=seq_len, with_logits=role == "actor", **common)
+                tokens=train_tokens, with_logits=role == "actor", **common)
     for role in ("ref", "reward"):
         if role in ranks and role in shapes:
-            roles[role] = frozen_memory(role, shapes[role], ranks=ranks[role], micro_batch=cfg.micro_rollout_batch_size,
-                                        seq_len=seq_len, with_logits=role == "ref", **common)
+            roles[role] = frozen_memory(role, shapes[role], ranks=ranks[role], tokens=rollout_tokens,
+                                        with_logits=role == "ref", **common)
     engines = RoleMemory("engines", engine=cfg.vllm_gpu_memory_utilization * gpu_bytes)
     if cfg.colocate_all_models:
         return [("shared by every model", [*roles.values(), engines], colocated_peak(cfg, roles, engines))]

@@ -259,8 +259,11 @@ class TrainingConfig(StageConfig):
         elif not self.target_modules:
             problems.append("--target_modules is empty: name the modules that get LoRA adapters, or all-linear")
         for ranks_flags, ranks in self.train_world_sizes().items():
-            per_step = self.micro_train_batch_size * ranks
-            if self.train_batch_size % per_step:
+            if getattr(self, "use_dynamic_batch", False):  # micro-batches by tokens: each rank an equal share
+                if self.train_batch_size % ranks:
+                    problems.append(f"--train_batch_size {self.train_batch_size} is not a multiple of the {ranks} "
+                                    f"data-parallel ranks ({ranks_flags})")
+            elif self.train_batch_size % (self.micro_train_batch_size * ranks):
                 problems.append(
                     f"--train_batch_size {self.train_batch_size} is not a multiple of --micro_train_batch_size "
                     f"{self.micro_train_batch_size} × {ranks} data-parallel ranks ({ranks_flags})"
@@ -421,6 +424,12 @@ class PromptConfig(StageConfig):
     eval_temperature: float = Field(
         0.6, gt=0, description="held-out evaluation: sampling temperature of the pass@n samples",
     )
+
+    @property
+    def rollout_token_budget(self) -> int | None:
+        """Tokens per micro-batch of the reward model's forwards; None: --micro_rollout_batch_size rows (RL's
+        --use_dynamic_batch sets it)."""
+        return None
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
@@ -702,6 +711,23 @@ class RLConfig(TrainingConfig, PromptConfig):
     vllm_is_truncated_threshold: tuple[float, float] = Field(
         (0.5, 5.0), description="low and high bounds of the importance ratio (--enable_vllm_is_correction)",
     )
+    use_dynamic_batch: bool = Field(
+        False,
+        description="micro-batches by token budget instead of by count (OpenRLHF's meaning): each rank's sequences "
+        "are balanced over as few micro-batches of --train_max_tokens_per_gpu tokens (training) or "
+        "--rollout_max_tokens_per_gpu (log-probs, values, rewards) as the rank needing most takes; "
+        "--micro_train_batch_size and --micro_rollout_batch_size are then unused. Best with --packing_samples",
+    )
+    train_max_tokens_per_gpu: int = Field(
+        16192, ge=1,
+        description="--use_dynamic_batch: tokens (prompt + response) per training micro-batch on one rank; a longer "
+        "sequence gets a micro-batch of its own",
+    )
+    rollout_max_tokens_per_gpu: int | None = Field(
+        None, ge=1,
+        description="--use_dynamic_batch: tokens per micro-batch of the experience forwards (log-probs, values, "
+        "rewards) on one rank; unset: --train_max_tokens_per_gpu",
+    )
     save_best: bool = Field(
         False,
         description="keep the actor with the best held-out greedy reward (evaluated every --eval_steps) and make "
@@ -747,6 +773,18 @@ class RLConfig(TrainingConfig, PromptConfig):
     @property
     def generate_batch_size(self) -> int:
         return self.vllm_generate_batch_size or self.rollout_batch_size
+
+    @property
+    def train_token_budget(self) -> int | None:
+        """Tokens per training micro-batch (--use_dynamic_batch); None: --micro_train_batch_size rows."""
+        return self.train_max_tokens_per_gpu if self.use_dynamic_batch else None
+
+    @property
+    def rollout_token_budget(self) -> int | None:
+        """Tokens per experience micro-batch (--use_dynamic_batch); None: --micro_rollout_batch_size rows."""
+        if not self.use_dynamic_batch:
+            return None
+        return self.rollout_max_tokens_per_gpu or self.train_max_tokens_per_gpu
 
     @property
     def queue_size(self) -> int:
@@ -804,6 +842,12 @@ class RLConfig(TrainingConfig, PromptConfig):
         if "n_samples_per_prompt" not in self.model_fields_set and estimator in GROUP_ESTIMATORS:
             notes.append(f"--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator {estimator} "
                          "(OpenRLHF's default of 1 leaves no group to compare with, and OpenRLHF refuses it)")
+        if self.use_dynamic_batch and self.rollout_max_tokens_per_gpu is None:
+            notes.append(f"--rollout_max_tokens_per_gpu unset: experience micro-batches of up to "
+                         f"--train_max_tokens_per_gpu {self.train_max_tokens_per_gpu} tokens")
+        if self.use_dynamic_batch and not self.packing_samples:
+            notes.append("--use_dynamic_batch without --packing_samples pads each micro-batch to its longest "
+                         "sequence: --packing_samples lays them end to end without padding")
         if self.no_advantage_std_norm and estimator in ("group_norm", "rloo", "dr_grpo"):
             notes.append(f"--no_advantage_std_norm has no effect with --advantage_estimator {estimator}: as in "
                          "OpenRLHF it only changes the batch whitening of gae, reinforce and reinforce_baseline"
@@ -821,7 +865,7 @@ class RLConfig(TrainingConfig, PromptConfig):
                 f"--rollout_batch_size {self.rollout_batch_size} × --n_samples_per_prompt {self.n_samples_per_prompt}"
                 f" = {samples} samples is not a multiple of --train_batch_size {self.train_batch_size}"
             )
-        if samples // self.micro_rollout_batch_size < self.actor_ranks:
+        if not self.use_dynamic_batch and samples // self.micro_rollout_batch_size < self.actor_ranks:
             problems.append(
                 f"{samples} rollout samples / --micro_rollout_batch_size {self.micro_rollout_batch_size} = "
                 f"{samples // self.micro_rollout_batch_size} micro-batches, fewer than the {self.actor_ranks} "
@@ -950,6 +994,10 @@ class RLConfig(TrainingConfig, PromptConfig):
                                 "only (--colocate_actor_ref, --colocate_critic_reward)")
             if self.vllm_enable_sleep:
                 problems.append("--async_train keeps the engines generating: not with --vllm_enable_sleep")
+        if not self.use_dynamic_batch:
+            for flag in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"):
+                if getattr(self, flag) != defaults[flag].default:
+                    problems.append(f"--{flag} {getattr(self, flag)} configures --use_dynamic_batch, which is off")
         segment_len = self.partial_rollout_segment_len
         if not self.partial_rollout and segment_len != defaults["partial_rollout_segment_len"].default:
             problems.append(f"--partial_rollout_segment_len {segment_len} configures "

@@ -49,6 +49,10 @@ def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch
                      zero_stage: int | None = None, train: bool = True) -> dict:
     """The DeepSpeed config for one model role. `train_batch_size` counts samples per optimizer step."""
     stage = cfg.zero_stage if zero_stage is None else zero_stage
+    if train and getattr(cfg, "use_dynamic_batch", False):
+        # Micro-batches by token budget, a varying number per optimizer step: no fixed accumulation count, the
+        # trainer marks each step's last micro-batch (stages/roles.py, accumulate).
+        micro_batch_size, train_batch_size = 1, world_size
     zero: dict[str, Any] = {"stage": stage}
     if train and getattr(cfg, "adam_offload", False):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}

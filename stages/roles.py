@@ -20,7 +20,7 @@ from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, h
 from stages.errors import StageInputError
 from stages.placement import (ENGINES, bundle_resources, describe, engine_bundles, group_bundles, models_take_turns,
                               placement_plan)
-from stages.sequences import micro_batches
+from stages.sequences import balanced_partitions, first_fit_count, select_rows
 
 
 def _dtype(cfg) -> torch.dtype:
@@ -180,7 +180,8 @@ class PolicyWorker(TrainedRole):
         scale = ds.global_loss_scale(self.engine)
         device = next(self.engine.module.parameters()).device
         totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
-        for micro in micro_batches(shard, cfg.micro_train_batch_size, device):
+        micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
+        for index, (micro, _) in enumerate(micro_batches):
             mask = micro["action_mask"]
             logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
                                              with_entropy=cfg.entropy_loss_coef is not None)
@@ -218,6 +219,7 @@ class PolicyWorker(TrainedRole):
                 entropy = algo.aggregate_token_loss(entropy_t, mask, step_tokens)
                 loss = loss - cfg.entropy_loss_coef * entropy
                 totals["entropy"] = totals.get("entropy", 0.0) + entropy.item()
+            accumulate(self.engine, cfg, last=index == len(micro_batches) - 1)
             self.engine.backward(loss * scale)
             self.engine.step()
             with torch.no_grad():
@@ -316,9 +318,10 @@ class CriticWorker(TrainedRole):
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Value of the state before each action token, [B, T-1] (aligned with the action mask)."""
         self.engine.eval()
-        device = next(self.engine.module.parameters()).device
-        return torch.cat([value_forward(self.engine, micro, self.cfg.packing_samples).cpu()
-                          for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, device)])
+        cfg = self.cfg
+        micro = rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
+                                   next(self.engine.module.parameters()).device)
+        return forward_rows(batch, micro, lambda part: value_forward(self.engine, part, cfg.packing_samples))
 
     def export(self, save_path: str) -> None:
         """--save_value_network: the critic as an HF value model (its `score` head), loadable as a reward model."""
@@ -332,11 +335,13 @@ class CriticWorker(TrainedRole):
         scale = ds.global_loss_scale(self.engine)
         device = next(self.engine.module.parameters()).device
         totals = {"critic_loss": 0.0, "values": 0.0}
-        for micro in micro_batches(shard, cfg.micro_train_batch_size, device):
+        micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
+        for index, (micro, _) in enumerate(micro_batches):
             mask = micro["action_mask"]
             values = value_forward(self.engine, micro, cfg.packing_samples)
             loss = algo.aggregate_token_loss(
                 algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
+            accumulate(self.engine, cfg, last=index == len(micro_batches) - 1)
             self.engine.backward(loss * scale)
             self.engine.step()
             totals["critic_loss"] += loss.item()
@@ -389,12 +394,15 @@ class RewardModelWorker(RankWorker):
     @torch.no_grad()
     def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reward of each sequence: the value head at its eos, which a truncated response gets appended."""
-        rewards = torch.cat([
-            packing_lib.last_token_values(self.model, [ending_with_eos(seq, self.eos_token_id, self.max_positions)
-                                                       for seq in _unpadded(micro)[0]],
-                                          pad_token_id=self.model.config.pad_token_id,
-                                          packing=getattr(self.cfg, "packing_samples", False)).cpu()
-            for micro in micro_batches(batch, self.cfg.micro_rollout_batch_size, self.device)])
+        cfg = self.cfg
+        rewards = torch.zeros(batch["input_ids"].shape[0])
+        for micro, rows in rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
+                                              self.device):
+            scores = packing_lib.last_token_values(
+                self.model, [ending_with_eos(seq, self.eos_token_id, self.max_positions) for seq in _unpadded(micro)[0]],
+                pad_token_id=self.model.config.pad_token_id, packing=getattr(cfg, "packing_samples", False)).cpu()
+            if rows:
+                rewards[rows] = scores.float()
         if self.cfg.normalize_reward:
             mean, std = self.normalization
             rewards = (rewards - mean) / std
@@ -411,6 +419,50 @@ def ending_with_eos(sequence: list[int], eos_token_id: int, max_positions: int |
     if max_positions is not None and len(sequence) >= max_positions:
         return sequence[: max_positions - 1] + [eos_token_id]
     return sequence + [eos_token_id]
+
+
+def rank_micro_batches(batch: dict[str, torch.Tensor], size: int, token_budget: int | None,
+                       device) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
+    """(micro-batch, its rows of `batch`) in the order they run: `size` rows at a time, or with --use_dynamic_batch
+    (`token_budget`) as many micro-batches as the rank of this model's group that needs the most for micro-batches
+    of at most `token_budget` tokens, its sequences balanced over them and each cut to its longest sequence. Every
+    rank then runs the same number of forwards, which ZeRO-3's parameter gathers need; a rank with fewer sequences
+    than micro-batches runs its first one again with no action token (rows []), adding nothing."""
+    rows = batch["input_ids"].shape[0]
+    if token_budget is None:
+        return [({k: v[start : start + size].to(device) for k, v in batch.items()},
+                 list(range(start, min(start + size, rows)))) for start in range(0, rows, size)]
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    count = torch.tensor([first_fit_count(lengths, token_budget)], device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    micro = []
+    for part in balanced_partitions(lengths, int(count.item())):
+        if part:
+            micro.append((select_rows(batch, part, device), part))
+        else:
+            idle = select_rows(batch, [0], device)
+            idle["action_mask"] = torch.zeros_like(idle["action_mask"])
+            micro.append((idle, []))
+    return micro
+
+
+def accumulate(engine, cfg, last: bool) -> None:
+    """With --use_dynamic_batch the number of micro-batches varies from step to step: the engine runs without a
+    fixed accumulation count (stages/engine.py) and is told which micro-batch ends the optimizer step."""
+    if cfg.use_dynamic_batch:
+        engine.set_gradient_accumulation_boundary(last)
+
+
+def forward_rows(batch: dict[str, torch.Tensor], micro: list[tuple[dict[str, torch.Tensor], list[int]]],
+                 forward) -> torch.Tensor:
+    """`forward(micro_batch)` ([b, t-1] per token) of every micro-batch, back in `batch`'s rows and width."""
+    out = torch.zeros(batch["input_ids"].shape[0], batch["input_ids"].shape[1] - 1)
+    for part, rows in micro:
+        result = forward(part).float().cpu()
+        if rows:
+            out[rows, : result.shape[1]] = result
+    return out
 
 
 def _unpadded(micro: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
@@ -454,9 +506,10 @@ def value_forward(model, micro: dict[str, torch.Tensor], packing: bool) -> torch
 @torch.no_grad()
 def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg) -> torch.Tensor:
     """Log-probs [B, T-1] of a batch, micro-batch by micro-batch, on CPU."""
-    device = next(model.parameters()).device
-    return torch.cat([policy_forward(model, micro, cfg.temperature, cfg.packing_samples)[0].cpu()
-                      for micro in micro_batches(batch, cfg.micro_rollout_batch_size, device)])
+    micro = rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
+                               next(model.parameters()).device)
+    return forward_rows(batch, micro, lambda part: policy_forward(model, part, cfg.temperature,
+                                                                   cfg.packing_samples)[0])
 
 
 # ----------------------------------------------------------------------------- the roles of one run

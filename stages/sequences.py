@@ -39,6 +39,47 @@ def micro_batches(tensors: dict[str, torch.Tensor], size: int, device) -> list[d
     return [{k: v[start : start + size].to(device) for k, v in tensors.items()} for start in range(0, rows, size)]
 
 
+def first_fit_count(lengths: list[int], budget: int) -> int:
+    """How many micro-batches of at most `budget` tokens first fit packs sequences of `lengths` into, a longer
+    sequence taking one of its own (OpenRLHF's count for --use_dynamic_batch)."""
+    loads: list[int] = []
+    for length in lengths:
+        for slot, load in enumerate(loads):
+            if load + length <= budget:
+                loads[slot] += length
+                break
+        else:
+            loads.append(length)
+    return len(loads)
+
+
+def balanced_partitions(lengths: list[int], parts: int) -> list[list[int]]:
+    """The indices of `lengths` in `parts` groups of near-equal token sums (the longest sequence first, each into
+    the lightest group), ascending within a group; a group is empty only with fewer sequences than groups."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        lightest = min(range(parts), key=lambda g: (loads[g], len(groups[g]), g))
+        groups[lightest].append(index)
+        loads[lightest] += lengths[index]
+    return [sorted(group) for group in groups]
+
+
+def select_rows(tensors: dict[str, torch.Tensor], rows: list[int], device) -> dict[str, torch.Tensor]:
+    """`rows` of a right-padded batch moved to `device`, cut to the longest of them: columns of the sequences
+    (width T) to its length, next-token columns (width T-1: masks, log-probs, values) to one less."""
+    index = torch.tensor(rows, dtype=torch.long)
+    width = tensors["input_ids"].shape[1]
+    longest = int(tensors["attention_mask"][index].sum(dim=1).max())
+    selected = {}
+    for key, value in tensors.items():
+        value = value[index]
+        if value.dim() > 1 and value.shape[1] in (width, width - 1):
+            value = value[:, : longest - (width - value.shape[1])]
+        selected[key] = value.to(device)
+    return selected
+
+
 def pad_sequences(seqs: list[list[int]], pad_token_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of token sequences padded to the longest one."""
     return pad_batch(seqs, pad_token_id, side), pad_batch([[1] * len(seq) for seq in seqs], 0, side)

@@ -335,6 +335,11 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("rl", [*TINY, "--partial_rollout_segment_len", "8"],
          ["--partial_rollout_segment_len 8 configures --partial_rollout, which is off"]),
         ("rl", [*TINY, "--async_queue_size", "2"], ["--async_queue_size 2 configures --async_train, which is off"]),
+        ("rl", [*TINY, "--train_max_tokens_per_gpu", "512", "--rollout_max_tokens_per_gpu", "1024"],
+         ["--train_max_tokens_per_gpu 512 configures --use_dynamic_batch, which is off",
+          "--rollout_max_tokens_per_gpu 1024 configures --use_dynamic_batch, which is off"]),
+        ("rl", [*TINY, "--use_dynamic_batch", "--actor_num_gpus_per_node", "3", "--ref_num_gpus_per_node", "3"],
+         ["--train_batch_size 128 is not a multiple of the 3 data-parallel ranks"]),
         ("rl", [*TINY, "--vllm_generate_batch_size", "64"],
          ["--vllm_generate_batch_size 64 > --rollout_batch_size 32 keeps groups for later steps: it needs "
           "--async_train"]),

@@ -236,14 +236,14 @@ def test_memory_of_a_trained_and_a_frozen_model_worked_numbers():
     ZeRO-2 keeps the weights whole; --adam_offload keeps Adam on the host. Activations of 2 × 50 tokens, h = 1000,
     L = 10, V = 100, checkpointed: 10 × 100 × 1000 × 2 + one layer 17 × 100 × 1000 × 2 = 5.4e6, logits 100 × 100 × 6."""
     shape = ModelShape(params=10**9, hidden=1000, layers=10, vocab=100)
-    common = dict(ranks=8, bf16=True, lora=False, micro_batch=2, seq_len=50, with_logits=True)
+    common = dict(ranks=8, bf16=True, lora=False, tokens=2 * 50, with_logits=True)
     zero3 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True, **common)
     assert (zero3.weights, zero3.gradients, zero3.optimizer) == (2.5e8, 2.5e8, 1.5e9)
     assert zero3.activations == 5.4e6 + 6e4
     zero2 = trained_memory("actor", shape, zero_stage=2, adam_offload=True, gradient_checkpointing=False, **common)
     assert (zero2.weights, zero2.gradients, zero2.optimizer) == (2e9, 2.5e8, 0.0)
     assert zero2.activations == 10 * 17 * 100 * 1000 * 2 + 6e4  # every layer kept whole
-    frozen = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, micro_batch=2, seq_len=50, with_logits=True)
+    frozen = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, tokens=2 * 50, with_logits=True)
     assert (frozen.weights, frozen.gradients, frozen.optimizer) == (2.5e8, 0.0, 0.0)
     # fp32: 4-byte activations (10.8e6), logits 100 × 100 × (4 + 4).
     fp32 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True,
@@ -266,6 +266,11 @@ def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest()
     # Awake, the largest phase is the reference's forward (logits of 16 × 2048 tokens) with all else resident.
     assert awake_peak == pytest.approx(role["ref"].working + role["actor"].states + role["critic"].states
                                        + role["reward"].states + 40 * GIB)
+    # --use_dynamic_batch: micro-batches of at most 8192 tokens instead of 16 full-length (2048-token) sequences.
+    dynamic = awake.model_copy(update={"use_dynamic_batch": True, "train_max_tokens_per_gpu": 8192})
+    [(_, dynamic_members, _)] = rl_memory(dynamic, shapes, 80 * GIB)
+    ref = {m.role: m for m in dynamic_members}["ref"]
+    assert ref.activations == pytest.approx(role["ref"].activations * 8192 / (16 * 2048))
     apart = cfg.model_copy(update={"colocate_all_models": False, "vllm_enable_sleep": False,
                                    "deepspeed_enable_sleep": False})
     assert [where for where, _, _ in rl_memory(apart, shapes, 80 * GIB)] == ["actor", "ref", "critic", "reward",

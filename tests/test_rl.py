@@ -157,9 +157,11 @@ def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, a
         ("reinforce_baseline", ("--kl_estimator", "k2", *ASYNC, "--async_queue_size", 2, "--partial_rollout",
                                 "--partial_rollout_segment_len", 2, "--enable_vllm_is_correction",
                                 "--vllm_is_correction_type", "icepop"), 0.4),
-        # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3.
+        # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3, micro-batches by
+        # token budget (about 8 and 16 sequences).
         ("dr_grpo", ("--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate", "2e-3", "--packing_samples",
-                     "--zero_stage", 3, "--rollout_backend", "vllm"), 0.4),
+                     "--zero_stage", 3, "--rollout_backend", "vllm", "--use_dynamic_batch",
+                     "--train_max_tokens_per_gpu", 256, "--rollout_max_tokens_per_gpu", 512), 0.4),
     ],
 )
 def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, estimator, flags, margin):
