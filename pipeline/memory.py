@@ -6,11 +6,12 @@ What each model holds on a GPU, by role:
   and 8. ZeRO-1 partitions the Adam states over the role's ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too;
   --adam_offload keeps the Adam states in host memory. LoRA trains adapters only: no gradients or Adam states of
   the base weights.
-- frozen (reference, reward model): the weights (partitioned with ZeRO-3), and a forward's activations.
+- frozen (reference, reward model): the weights (partitioned with ZeRO-3; with --ref_reward_offload the partitions
+  stay in host memory and a forward gathers one layer at a time), and a forward's activations.
 - engines (vLLM): --vllm_gpu_memory_utilization of each engine GPU, weights and KV cache together.
-Activations of one training micro-batch of b sequences of s tokens (with --use_dynamic_batch: its token budget for b·s), hidden size h, L layers, vocabulary V: with
-gradient checkpointing each layer keeps its input (b·s·h values, 2 bytes each with bf16, 4 in fp32) and one layer
-at a time is recomputed whole; without, each layer keeps about 17·b·s·h values (Korthikanti et al. 2022, with
+Activations of one training micro-batch of b sequences of s tokens (--use_dynamic_batch: its token budget for b·s),
+hidden size h, L layers, vocabulary V: with gradient checkpointing each layer keeps its input (b·s·h values, 2 bytes
+each with bf16, 4 in fp32) and one layer at a time is recomputed whole; without, each layer keeps about 17·b·s·h values (Korthikanti et al. 2022, with
 FlashAttention's O(s) attention); the actor adds its logits and their fp32 log-softmax, b·s·V·(2 + 4) bytes.
 
 With --colocate_all_models every model shares the same GPUs and the phases take turns (stages/placement.py): the
@@ -103,10 +104,12 @@ def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int,
 
 
 def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, tokens: int,
-                  with_logits: bool) -> RoleMemory:
-    """What a frozen model holds on one GPU, a forward over `tokens` tokens at a time."""
+                  with_logits: bool, offloaded: bool = False) -> RoleMemory:
+    """What a frozen model holds on one GPU, a forward over `tokens` tokens at a time. Offloaded (ZeRO-3 partitions
+    in host memory: --ref_reward_offload) it holds one layer's gathered weights at a time."""
     value_bytes = 2 if bf16 else 4
-    memory = RoleMemory(role, weights=shape.params * value_bytes / (ranks if zero_stage == 3 else 1))
+    resident = shape.params / shape.layers if offloaded else shape.params / (ranks if zero_stage == 3 else 1)
+    memory = RoleMemory(role, weights=resident * value_bytes)
     # A forward keeps one layer's activations at a time, plus the logits it reads log-probs from.
     memory.activations = (_layer_activations(shape, tokens, value_bytes)
                           + (_logits(shape, tokens, value_bytes) if with_logits else 0))
@@ -132,7 +135,7 @@ def rl_memory(cfg, shapes: dict[str, ModelShape], gpu_bytes: float) -> list[tupl
     for role in ("ref", "reward"):
         if role in ranks and role in shapes:
             roles[role] = frozen_memory(role, shapes[role], ranks=ranks[role], tokens=rollout_tokens,
-                                        with_logits=role == "ref", **common)
+                                        with_logits=role == "ref", offloaded=cfg.ref_reward_offload, **common)
     engines = RoleMemory("engines", engine=cfg.vllm_gpu_memory_utilization * gpu_bytes)
     if cfg.colocate_all_models:
         return [("shared by every model", [*roles.values(), engines], colocated_peak(cfg, roles, engines))]

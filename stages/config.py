@@ -42,6 +42,9 @@ PolicyPath = Annotated[str | None, ModelPath("policy")]
 ScorerPath = Annotated[str | None, ModelPath("scorer")]
 
 
+PARAMETERS_IN_HOST_MEMORY = "on CPU the parameters already live in host memory"
+
+
 class ConfigError(ValueError):
     """A preset or config that cannot be loaded or validated; the message names the file and the field."""
 
@@ -242,6 +245,20 @@ class TrainingConfig(StageConfig):
         """Data-parallel ranks of each trained model, keyed by the flags that set them."""
         raise NotImplementedError
 
+    def _resolve(self) -> None:
+        if self.packing_samples and "flash_attn" not in self.model_fields_set:
+            # As OpenRLHF: packing turns FlashAttention on (its variable-length kernel keeps the packed sequences
+            # apart); into __dict__, so that the field stays unset and notes() can tell.
+            self.__dict__["flash_attn"] = True
+
+    def notes(self) -> list[str]:
+        if self.packing_samples and "flash_attn" not in self.model_fields_set:
+            return ["--packing_samples turns --flash_attn on, as in OpenRLHF"]
+        if self.packing_samples and not self.flash_attn:
+            return ["--packing_samples with --no_flash_attn: a packed micro-batch attends through a block mask over "
+                    "all of its tokens (memory grows with their square)"]
+        return []
+
     def _problems(self) -> list[str]:
         problems = super()._problems()
         for name in ("save_steps", "eval_steps"):
@@ -343,6 +360,18 @@ class PreferenceKeys(StrictModel):
     )
     chosen_key: str = Field("chosen", description="dataset column holding the preferred response")
     rejected_key: str = Field("rejected", description="dataset column holding the dispreferred response")
+
+
+class RouterBalancing(StrictModel):
+    """The load-balancing loss of mixture-of-experts routers (OpenRLHF's --aux_loss_coef; not KTO, as there)."""
+
+    aux_loss_coef: float = Field(
+        0.0, ge=0,
+        description="weight of the mixture-of-experts load-balancing loss (the routers' aux loss, from each "
+        "forward's router logits) added to the training loss, averaged over a step's micro-batches and ranks (RL: "
+        "the actor's and the critic's); the trained models must be MoE models (output_router_logits in their "
+        "config); 0 = off",
+    )
 
 
 class PromptConfig(StageConfig):
@@ -450,7 +479,7 @@ class PromptConfig(StageConfig):
 
 # ---------------------------------------------------------------- stages
 
-class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
+class SFTConfig(SupervisedKeys, RouterBalancing, OfflineTrainingConfig):
     """Supervised fine-tuning: `python -m stages.sft`."""
 
     pretrain: BaseModelPath = Field(None, description="model to fine-tune (HF dir, hub name or s3:// URI)")
@@ -485,7 +514,7 @@ class SFTConfig(SupervisedKeys, OfflineTrainingConfig):
         return problems
 
 
-class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
+class RewardModelConfig(PreferenceKeys, RouterBalancing, OfflineTrainingConfig):
     """Reward model on preference pairs: `python -m stages.reward_model` (OpenRLHF's train_rm)."""
 
     pretrain: BaseModelPath = Field(None, description="model the reward model starts from, usually the SFT model")
@@ -505,7 +534,7 @@ class RewardModelConfig(PreferenceKeys, OfflineTrainingConfig):
         return problems
 
 
-class DPOConfig(PreferenceKeys, OfflineTrainingConfig):
+class DPOConfig(PreferenceKeys, RouterBalancing, OfflineTrainingConfig):
     """Direct preference optimisation (and IPO, cDPO): `python -m stages.dpo`."""
 
     pretrain: PolicyPath = Field(None, description="policy to train, usually the SFT model")
@@ -519,11 +548,17 @@ class DPOConfig(PreferenceKeys, OfflineTrainingConfig):
     )
     ipo: bool = Field(False, description="use the IPO loss instead of the DPO sigmoid loss")
     nll_loss_coef: float = Field(0.0, ge=0, description="weight of an NLL loss on the chosen response")
+    ref_offload: Annotated[bool, GpuOnly(False, PARAMETERS_IN_HOST_MEMORY)] = Field(
+        False, description="keep the reference model's ZeRO-3 partitions in host memory, fetched layer by layer for "
+        "its forwards (needs --zero_stage 3)",
+    )
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
         if self.ipo and self.label_smoothing > 0:
             problems.append("--label_smoothing applies to the DPO loss only; drop it or --ipo")
+        if self.ref_offload and self.zero_stage != 3:
+            problems.append(f"--ref_offload offloads ZeRO-3 partitions: it needs --zero_stage 3, got {self.zero_stage}")
         return problems
 
 
@@ -553,7 +588,7 @@ class KTOConfig(SupervisedKeys, PreferenceKeys, OfflineTrainingConfig):
         return problems
 
 
-class RLConfig(TrainingConfig, PromptConfig):
+class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     """Online RL (PPO, GRPO, RLOO, REINFORCE++ ...) with Ray roles: `python -m stages.rl` (OpenRLHF's train_ppo_ray)."""
 
     pretrain: PolicyPath = Field(None, description="initial actor (policy)")
@@ -590,6 +625,10 @@ class RLConfig(TrainingConfig, PromptConfig):
     deepspeed_enable_sleep: Annotated[bool, GpuOnly(False, "it moves optimizer states off the GPU between phases; on "
                                                            "CPU they already are")] = Field(
         False, description="DeepSpeed models release GPU memory while vLLM generates (needs --colocate_all_models)",
+    )
+    ref_reward_offload: Annotated[bool, GpuOnly(False, PARAMETERS_IN_HOST_MEMORY)] = Field(
+        False, description="keep the reference and reward models' ZeRO-3 partitions in host memory, fetched layer by "
+        "layer for their forwards (needs --zero_stage 3)",
     )
     vllm_sync_backend: Annotated[Literal["nccl", "gloo"], GpuOnly("gloo", "NCCL needs GPUs; the weight sync uses "
                                                                           "gloo on CPU")] = Field(
@@ -832,12 +871,13 @@ class RLConfig(TrainingConfig, PromptConfig):
         }
 
     def _resolve(self) -> None:
+        super()._resolve()
         if self.n_samples_per_prompt is None:
             # Into __dict__: the field stays out of model_fields_set, which is how notes() tells it was unset.
             self.__dict__["n_samples_per_prompt"] = 8 if self.advantage_estimator in GROUP_ESTIMATORS else 1
 
     def notes(self) -> list[str]:
-        notes = []
+        notes = super().notes()
         estimator = self.advantage_estimator
         if "n_samples_per_prompt" not in self.model_fields_set and estimator in GROUP_ESTIMATORS:
             notes.append(f"--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator {estimator} "
@@ -943,6 +983,9 @@ class RLConfig(TrainingConfig, PromptConfig):
                                 "actor, and the averaged weights are never the ones evaluated")
         elif self.ema_beta != type(self).model_fields["ema_beta"].default:
             problems.append(f"--ema_beta {self.ema_beta} configures --enable_ema, which is off")
+        if self.ref_reward_offload and self.zero_stage != 3:
+            problems.append(f"--ref_reward_offload offloads ZeRO-3 partitions: it needs --zero_stage 3, got "
+                            f"{self.zero_stage}")
         if self.save_value_network and not self.uses_critic:
             problems.append(f"--save_value_network exports the critic, which --advantage_estimator {estimator} "
                             "does not train (only gae has one)")

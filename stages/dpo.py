@@ -77,13 +77,15 @@ class DPOWorker(ReferenceStepTrainer):
         return dpo_terms(policy, reference, examples, self.cfg)
 
     def micro_batch_loss(self, examples, normalizer):
-        terms = self.pair_terms(examples)
+        with self.router_losses() as aux_losses:  # the policy's one forward of both sides (not the reference's)
+            terms = self.pair_terms(examples)
         share = len(examples) / normalizer
         loss = (terms["loss"] + self.cfg.nll_loss_coef * terms["nll"]) * share
         correct = float((terms["chosen_reward"] > terms["rejected_reward"]).sum())
-        return loss, {"loss": loss.item(), "accuracy": correct / normalizer,
-                      "reward_margin": float((terms["chosen_reward"] - terms["rejected_reward"]).sum()) / normalizer,
-                      "tokens": float(sum(map(len, pair_sequences(examples))))}
+        return self.with_aux_loss(loss, {
+            "loss": loss.item(), "accuracy": correct / normalizer,
+            "reward_margin": float((terms["chosen_reward"] - terms["rejected_reward"]).sum()) / normalizer,
+            "tokens": float(sum(map(len, pair_sequences(examples))))}, aux_losses)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -46,8 +46,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch_size: int,
-                     zero_stage: int | None = None, train: bool = True) -> dict:
-    """The DeepSpeed config for one model role. `train_batch_size` counts samples per optimizer step."""
+                     zero_stage: int | None = None, train: bool = True, offload_params: bool = False) -> dict:
+    """The DeepSpeed config for one model role. `train_batch_size` counts samples per optimizer step;
+    `offload_params` keeps a frozen model's ZeRO-3 partitions in host memory (--ref_reward_offload, --ref_offload)."""
     stage = cfg.zero_stage if zero_stage is None else zero_stage
     if train and getattr(cfg, "use_dynamic_batch", False):
         # Micro-batches by token budget, a varying number per optimizer step: no fixed accumulation count, the
@@ -58,6 +59,8 @@ def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if offload_params and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     accumulation = train_batch_size // (micro_batch_size * world_size)
     if accumulation < 1 or accumulation * micro_batch_size * world_size != train_batch_size:
         raise ValueError(

@@ -203,8 +203,16 @@ def load_tokenizer(path: str | os.PathLike, padding_side: str = "right") -> PreT
 
 def attn_implementation(cfg, device: str) -> str | None:
     """FlashAttention-2 with --flash_attn on CUDA; transformers' default (sdpa) otherwise. On CPU the flag cannot act
-    (the stage says so once, stages/fields.py)."""
-    return "flash_attention_2" if cfg.flash_attn and device == "cuda" else None
+    (the stage says so once, stages/fields.py). Without the flash-attn package the stage stops before loading."""
+    if not (cfg.flash_attn and device == "cuda"):
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        raise StageInputError("--flash_attn (which --packing_samples turns on, as in OpenRLHF) needs the flash-attn "
+                              "package on GPU machines: pip install flash-attn --no-build-isolation, or pass "
+                              "--no_flash_attn")
+    return "flash_attention_2"
 
 
 def load_causal_lm(

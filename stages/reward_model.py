@@ -79,12 +79,13 @@ class RewardModelWorker(StepTrainer):
                             packing_samples=self.cfg.packing_samples)
 
     def micro_batch_loss(self, examples, normalizer):
-        chosen, rejected = self.pair_rewards(examples)
+        with self.router_losses() as aux_losses:  # one forward scores both sides of the pairs
+            chosen, rejected = self.pair_rewards(examples)
         margin = torch.tensor([e["margin"] for e in examples], device=chosen.device) if self.cfg.margin_loss else None
         loss = algo.pairwise_rm_loss(chosen, rejected, margin=margin, kind=self.cfg.loss) * len(examples) / normalizer
         correct = float((chosen > rejected).sum())
-        return loss, {"loss": loss.item(), "accuracy": correct / normalizer,
-                      "tokens": float(sum(map(len, pair_sequences(examples))))}
+        return self.with_aux_loss(loss, {"loss": loss.item(), "accuracy": correct / normalizer,
+                                         "tokens": float(sum(map(len, pair_sequences(examples))))}, aux_losses)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -400,7 +400,8 @@ def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tens
 def check_finite(record: dict[str, Any], step: int, ckpt_path: str) -> None:
     """Stop (exit 2) at the first step whose losses or KL are not finite: nothing of this step is saved, so the
     newest checkpoint is the last good one."""
-    bad = {key: record[key] for key in ("policy_loss", "critic_loss", "kl_loss", "kl", "entropy")
+    bad = {key: record[key] for key in ("policy_loss", "critic_loss", "kl_loss", "kl", "entropy", "aux_loss",
+                                        "critic_aux_loss")
            if key in record and not math.isfinite(record[key])}
     if bad:
         last = ds.latest_checkpoint_step(ckpt_path)

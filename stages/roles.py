@@ -14,7 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
-from stages import lora
+from stages import lora, moe
 from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.errors import StageInputError
@@ -73,8 +73,24 @@ class TrainedRole(RankWorker):
     """
 
     tag = ""
+    aux_key = ""  # the logged name of its --aux_loss_coef term
 
     def learning_rate(self) -> float: ...
+
+    def router_losses(self):
+        """Collects the load-balancing losses of the model's forwards in the block (--aux_loss_coef > 0)."""
+        return moe.router_aux_losses(self.engine, enabled=self.cfg.aux_loss_coef > 0)
+
+    def with_aux_loss(self, loss: torch.Tensor, aux_losses: list[torch.Tensor], rows: list[int], micro_batches: int,
+                      totals: dict[str, float]) -> torch.Tensor:
+        """`loss` + --aux_loss_coef × this micro-batch's share of the step's mean load-balancing loss, added to
+        totals[aux_key]. The step's micro-batches are `micro_batches` on every rank (rank_micro_batches) × ranks
+        (stages/moe.py); an idle micro-batch (rows []) adds nothing, like the rest of its loss."""
+        if not aux_losses or not rows:
+            return loss
+        share = moe.step_share(aux_losses, micro_batches * self.world_size)
+        totals[self.aux_key] = totals.get(self.aux_key, 0.0) + share.item()
+        return loss + self.cfg.aux_loss_coef * share
 
     def build(self, total_optimizer_steps: int) -> None:
         self.engine = ds.build_train_engine(self.model, self.cfg, self.ds_config, learning_rate=self.learning_rate(),
@@ -105,6 +121,7 @@ class PolicyWorker(TrainedRole):
     """One rank of the actor (the policy being trained)."""
 
     tag = "actor"
+    aux_key = "aux_loss"
 
     def learning_rate(self) -> float:
         return self.cfg.actor_learning_rate
@@ -121,6 +138,7 @@ class PolicyWorker(TrainedRole):
         model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
                                                         attn_implementation=attn_implementation(cfg, self.device)),
                                  self.ds_config)
+        moe.check_router(model, cfg.aux_loss_coef, cfg.pretrain)
         self.model = lora.wrap(model, cfg, value_model=False)
         # Tied parameters travel once; the engines copy them to their other names.
         self._tied = set(getattr(lora.hf_model(self.model), "all_tied_weights_keys", {}) or {})
@@ -181,10 +199,11 @@ class PolicyWorker(TrainedRole):
         device = next(self.engine.module.parameters()).device
         totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
-        for index, (micro, _) in enumerate(micro_batches):
+        for index, (micro, rows) in enumerate(micro_batches):
             mask = micro["action_mask"]
-            logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
-                                             with_entropy=cfg.entropy_loss_coef is not None)
+            with self.router_losses() as aux_losses:
+                logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
+                                                 with_entropy=cfg.entropy_loss_coef is not None)
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
             rollout_logp = micro.get("rollout_logp")
             if cfg.policy_loss_type == "gspo":
@@ -219,6 +238,7 @@ class PolicyWorker(TrainedRole):
                 entropy = algo.aggregate_token_loss(entropy_t, mask, step_tokens)
                 loss = loss - cfg.entropy_loss_coef * entropy
                 totals["entropy"] = totals.get("entropy", 0.0) + entropy.item()
+            loss = self.with_aux_loss(loss, aux_losses, rows, len(micro_batches), totals)
             accumulate(self.engine, cfg, last=index == len(micro_batches) - 1)
             self.engine.backward(loss * scale)
             self.engine.step()
@@ -296,12 +316,13 @@ class CriticWorker(TrainedRole):
     """One rank of the critic (PPO's value model), trained on the returns with the clipped value loss."""
 
     tag = "critic"
+    aux_key = "critic_aux_loss"
 
     def learning_rate(self) -> float:
         return self.cfg.critic_learning_rate
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_value_model, resolve_model_path
+        from stages.model_io import attn_implementation, load_value_model, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
@@ -310,7 +331,9 @@ class CriticWorker(TrainedRole):
                                              micro_batch_size=cfg.micro_train_batch_size)
         path = resolve_model_path(cfg.critic_init)
         model = ds.load_for_zero(
-            lambda: load_value_model(path, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix), self.ds_config)
+            lambda: load_value_model(path, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix,
+                                     attn_implementation=attn_implementation(cfg, self.device)), self.ds_config)
+        moe.check_router(model, cfg.aux_loss_coef, cfg.critic_init)
         normalization = reward_normalization(model.config) if cfg.normalize_reward else None
         self.model = TokenValueModel(model, normalization)
 
@@ -336,15 +359,17 @@ class CriticWorker(TrainedRole):
         device = next(self.engine.module.parameters()).device
         totals = {"critic_loss": 0.0, "values": 0.0}
         micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
-        for index, (micro, _) in enumerate(micro_batches):
+        for index, (micro, rows) in enumerate(micro_batches):
             mask = micro["action_mask"]
-            values = value_forward(self.engine, micro, cfg.packing_samples)
-            loss = algo.aggregate_token_loss(
+            with self.router_losses() as aux_losses:
+                values = value_forward(self.engine, micro, cfg.packing_samples)
+            critic_loss = algo.aggregate_token_loss(
                 algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
+            loss = self.with_aux_loss(critic_loss, aux_losses, rows, len(micro_batches), totals)
             accumulate(self.engine, cfg, last=index == len(micro_batches) - 1)
             self.engine.backward(loss * scale)
             self.engine.step()
-            totals["critic_loss"] += loss.item()
+            totals["critic_loss"] += critic_loss.item()
             totals["values"] += float(algo.masked_sum(values.detach(), mask)) / step_tokens
         return totals
 
@@ -358,7 +383,8 @@ class ReferenceWorker(RankWorker):
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group(deepspeed=cfg.zero_stage == 3)  # DeepSpeed only to shard it
         ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                        micro_batch_size=cfg.micro_train_batch_size, train=False)
+                                        micro_batch_size=cfg.micro_train_batch_size, train=False,
+                                        offload_params=cfg.ref_reward_offload and self.device == "cuda")
         path = resolve_model_path(cfg.ref_pretrain or cfg.pretrain)
         model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
                                                         attn_implementation=attn_implementation(cfg, self.device)),
@@ -375,17 +401,25 @@ class RewardModelWorker(RankWorker):
     policy's tokenizer, as a reward model trained from the SFT checkpoint does."""
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_tokenizer, load_value_model, resolve_model_path
+        from stages.model_io import attn_implementation, load_tokenizer, load_value_model, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group(deepspeed=False)  # a plain model on every rank
+        # Sharded with ZeRO-3 as the reference is (the RL stage's --zero_stage), a whole copy on every rank else.
+        sharded = getattr(cfg, "zero_stage", 0) == 3
+        self.init_process_group(deepspeed=sharded)
         local = resolve_model_path(cfg.reward_pretrain)
-        self.model = load_value_model(local, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix,
-                                      trained_head=True).eval()
+        ds_config = ds.deepspeed_config(
+            cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+            micro_batch_size=cfg.micro_train_batch_size, train=False,
+            offload_params=cfg.ref_reward_offload and self.device == "cuda") if sharded else None
+        load = lambda: load_value_model(local, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix,  # noqa: E731
+                                        attn_implementation=attn_implementation(cfg, self.device), trained_head=True)
+        model = ds.load_for_zero(load, ds_config) if sharded else load()
+        self.config = model.config
+        self.model = ds.build_inference_engine(model, ds_config, self.device) if sharded else model.eval().to(self.device)
         self.eos_token_id = load_tokenizer(local).eos_token_id
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        self.model.to(self.device)
-        self.normalization = reward_normalization(self.model.config)
+        self.max_positions = getattr(self.config, "max_position_embeddings", None)
+        self.normalization = reward_normalization(self.config)
         if cfg.normalize_reward and self.normalization is None:
             raise StageInputError(f"--normalize_reward: reward model {cfg.reward_pretrain} has no reward_mean/"
                                   "reward_std (or mean/std) in its config.json; train it with stages.reward_model "
@@ -400,7 +434,7 @@ class RewardModelWorker(RankWorker):
                                               self.device):
             scores = packing_lib.last_token_values(
                 self.model, [ending_with_eos(seq, self.eos_token_id, self.max_positions) for seq in _unpadded(micro)[0]],
-                pad_token_id=self.model.config.pad_token_id, packing=getattr(cfg, "packing_samples", False)).cpu()
+                pad_token_id=self.config.pad_token_id, packing=getattr(cfg, "packing_samples", False)).cpu()
             if rows:
                 rewards[rows] = scores.float()
         if self.cfg.normalize_reward:
@@ -429,22 +463,24 @@ def rank_micro_batches(batch: dict[str, torch.Tensor], size: int, token_budget: 
     rank then runs the same number of forwards, which ZeRO-3's parameter gathers need; a rank with fewer sequences
     than micro-batches runs its first one again with no action token (rows []), adding nothing."""
     rows = batch["input_ids"].shape[0]
-    if token_budget is None:
-        return [({k: v[start : start + size].to(device) for k, v in batch.items()},
-                 list(range(start, min(start + size, rows)))) for start in range(0, rows, size)]
     lengths = batch["attention_mask"].sum(dim=1).tolist()
-    count = torch.tensor([first_fit_count(lengths, token_budget)], device=device)
+    needed = -(-rows // size) if token_budget is None else first_fit_count(lengths, token_budget)
+    count = torch.tensor([needed], device=device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    micro = []
-    for part in balanced_partitions(lengths, int(count.item())):
-        if part:
-            micro.append((select_rows(batch, part, device), part))
-        else:
-            idle = select_rows(batch, [0], device)
-            idle["action_mask"] = torch.zeros_like(idle["action_mask"])
-            micro.append((idle, []))
-    return micro
+    if token_budget is None:
+        parts = [list(range(start, min(start + size, rows))) for start in range(0, size * int(count.item()), size)]
+        return [({k: v[part[0] : part[-1] + 1].to(device) for k, v in batch.items()}, part) if part
+                else (idle_micro_batch(batch, device), []) for part in parts]
+    return [(select_rows(batch, part, device), part) if part else (idle_micro_batch(batch, device), [])
+            for part in balanced_partitions(lengths, int(count.item()))]
+
+
+def idle_micro_batch(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """The first sequence of `batch` without action tokens: a forward (and backward) that adds nothing."""
+    idle = select_rows(batch, [0], device)
+    idle["action_mask"] = torch.zeros_like(idle["action_mask"])
+    return idle
 
 
 def accumulate(engine, cfg, last: bool) -> None:

@@ -63,8 +63,9 @@ class SFTWorker(StepTrainer):
 
     def micro_batch_loss(self, examples, normalizer):
         sequences = [e["input_ids"] for e in examples]
-        loss = sft_loss(self.log_probs(self.engine, sequences), examples, normalizer)
-        return loss, {"loss": loss.item(), "tokens": float(sum(map(len, sequences)))}
+        with self.router_losses() as aux_losses:
+            loss = sft_loss(self.log_probs(self.engine, sequences), examples, normalizer)
+        return self.with_aux_loss(loss, {"loss": loss.item(), "tokens": float(sum(map(len, sequences)))}, aux_losses)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

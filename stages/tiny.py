@@ -84,6 +84,7 @@ DATASET_FILES = {
     "kto_train": "kto_train.jsonl",
 }
 SYSTEM_PROMPTS = ("", "You are a careful calculator.")  # OpenOrca rows have a system prompt or an empty one
+TINY_EXPERTS, TINY_TOP_K = 4, 2  # the tiny mixture-of-experts model (build_tiny_model(moe=True))
 
 
 @dataclass(frozen=True)
@@ -193,14 +194,19 @@ def build_tokenizer(vocab_size: int = TinyModelShape.vocab_size) -> PreTrainedTo
     return wrapped
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, shape: TinyModelShape = TinyModelShape()) -> Path:
-    """Write a randomly initialised LlamaForCausalLM and its tokenizer (HF format, safetensors) into out_dir."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_tiny_model(out_dir: str | Path, seed: int = 0, shape: TinyModelShape = TinyModelShape(),
+                     moe: bool = False) -> Path:
+    """Write a randomly initialised LlamaForCausalLM and its tokenizer (HF format, safetensors) into out_dir; with
+    `moe` a MixtralForCausalLM of the same shape, each MLP a mixture of TINY_EXPERTS experts (TINY_TOP_K per token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(shape.vocab_size)
-    config = LlamaConfig(
+    config_cls, model_cls = (MixtralConfig, MixtralForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
+    experts = dict(num_local_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOP_K) if moe else {}
+    config = config_cls(
+        **experts,
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -217,7 +223,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, shape: TinyModelShape =
     # Fork the RNG so building assets never disturbs the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = None

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from stages import engine as ds
-from stages import lora, packing
+from stages import lora, moe, packing
 from stages.distributed import RankWorker
 from stages.errors import StageInputError
 from stages.sequences import chunks
@@ -86,7 +86,9 @@ class StepTrainer(RankWorker):
             self.cfg, world_size=self.world_size, train_batch_size=self.cfg.train_batch_size,
             micro_batch_size=self.cfg.micro_train_batch_size,
         )
-        model = lora.wrap(self.load_train_model(ds_config), self.cfg, value_model=self.value_model)
+        model = self.load_train_model(ds_config)
+        moe.check_router(model, self.aux_loss_coef, self.cfg.pretrain)
+        model = lora.wrap(model, self.cfg, value_model=self.value_model)
         self.engine = ds.build_train_engine(
             model, self.cfg, ds_config, learning_rate=self.cfg.learning_rate, total_steps=self.total_steps
         )
@@ -167,6 +169,25 @@ class StepTrainer(RankWorker):
         return {"metrics": metrics, "history": history}
 
     # ---- helpers
+    @property
+    def aux_loss_coef(self) -> float:
+        """--aux_loss_coef; KTO has none (as in OpenRLHF)."""
+        return getattr(self.cfg, "aux_loss_coef", 0.0)
+
+    def router_losses(self):
+        """Collects the load-balancing losses of the trained model's forwards in the block (--aux_loss_coef > 0)."""
+        return moe.router_aux_losses(self.engine, enabled=self.aux_loss_coef > 0)
+
+    def with_aux_loss(self, loss: torch.Tensor, stats: dict[str, float], aux_losses: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(`loss` + --aux_loss_coef × this micro-batch's share of the step's mean load-balancing loss, `stats` with
+        the share as `aux_loss`). The step's micro-batches over all ranks are train_batch_size /
+        micro_train_batch_size (each rank's share of the step, in micro-batches, times the ranks): stages/moe.py."""
+        if not aux_losses:
+            return loss, stats
+        share = moe.step_share(aux_losses, self.cfg.train_batch_size // self.cfg.micro_train_batch_size)
+        return loss + self.aux_loss_coef * share, {**stats, "aux_loss": share.item()}
+
     def log_probs(self, model, sequences: list[list[int]]) -> list[torch.Tensor]:
         """Next-token log-probs of each sequence (packed with --packing_samples)."""
         return packing.sequence_log_probs(model, sequences, pad_token_id=self.tokenizer.pad_token_id,
@@ -206,7 +227,8 @@ class ReferenceStepTrainer(StepTrainer):
         ref_path = resolve_model_path(self.cfg.ref_pretrain or self.cfg.pretrain)
         ref_config = ds.deepspeed_config(self.cfg, world_size=self.world_size,
                                          train_batch_size=self.cfg.train_batch_size,
-                                         micro_batch_size=self.cfg.micro_train_batch_size, train=False)
+                                         micro_batch_size=self.cfg.micro_train_batch_size, train=False,
+                                         offload_params=getattr(self.cfg, "ref_offload", False) and self.device == "cuda")
         reference = ds.load_for_zero(lambda: load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn),
                                      ref_config)
         self.reference = ds.build_inference_engine(reference, ref_config, self.device)

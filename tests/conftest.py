@@ -123,15 +123,27 @@ def tokenizer(assets):
     return load_tokenizer(assets["model"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_rank(tmp_path_factory):
-    """A torch.distributed group of one gloo rank, for code that reduces over ranks or writes from rank 0."""
+    """A torch.distributed group of one gloo rank, for code that reduces over ranks or writes from rank 0. One for
+    the session: DeepSpeed keeps the group it first joined, so a second group in the same process would not reach
+    it."""
     import torch.distributed as dist
 
     store = tmp_path_factory.mktemp("dist") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_deepspeed_rank(one_rank, monkeypatch):
+    """This process as rank 0 of 1 for DeepSpeed, as a rank actor sets itself up (stages/distributed.py)."""
+    from stages.distributed import skip_deepspeed_shm_comm
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    skip_deepspeed_shm_comm()
 
 
 @pytest.fixture(scope="session")

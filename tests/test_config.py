@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 
 import pytest
@@ -165,11 +166,13 @@ def test_seed_grpo_is_the_ppo_command_plus_group_norm():
     assert cfg.advantage_estimator == "group_norm"
     assert not cfg.uses_critic and "critic" not in cfg.role_ranks()
     assert cfg.n_samples_per_prompt == 8  # unset: a group estimator needs a group
-    assert cfg.notes() == ["--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator group_norm "
-                           "(OpenRLHF's default of 1 leaves no group to compare with, and OpenRLHF refuses it)"]
+    packing = "--packing_samples turns --flash_attn on, as in OpenRLHF"  # the hybrid command packs
+    assert cfg.flash_attn and cfg.notes() == [
+        packing, "--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator group_norm "
+        "(OpenRLHF's default of 1 leaves no group to compare with, and OpenRLHF refuses it)"]
     explicit = parse_stage_args(stage, argv + flags(SEED_GRPO_ADDITION) + ["--n_samples_per_prompt", "4"],
                                 require_inputs=False)
-    assert explicit.n_samples_per_prompt == 4 and explicit.notes() == []
+    assert explicit.n_samples_per_prompt == 4 and explicit.notes() == [packing]
 
 
 def test_seed_workflow_ppo_with_own_reward_model():
@@ -338,6 +341,9 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("rl", [*TINY, "--train_max_tokens_per_gpu", "512", "--rollout_max_tokens_per_gpu", "1024"],
          ["--train_max_tokens_per_gpu 512 configures --use_dynamic_batch, which is off",
           "--rollout_max_tokens_per_gpu 1024 configures --use_dynamic_batch, which is off"]),
+        ("rl", [*TINY, "--ref_reward_offload"], ["--ref_reward_offload offloads ZeRO-3 partitions: it needs "
+                                                 "--zero_stage 3, got 2"]),
+        ("dpo", [*TINY, "--ref_offload"], ["--ref_offload offloads ZeRO-3 partitions: it needs --zero_stage 3, got 2"]),
         ("rl", [*TINY, "--use_dynamic_batch", "--actor_num_gpus_per_node", "3", "--ref_num_gpus_per_node", "3"],
          ["--train_batch_size 128 is not a multiple of the 3 data-parallel ranks"]),
         ("rl", [*TINY, "--vllm_generate_batch_size", "64"],
@@ -580,3 +586,36 @@ def test_a_mixture_is_fingerprinted_and_pinned_part_by_part(tmp_path):
     assert dataset_fingerprint(mixture) != fingerprint and key(cfg) != before
     pinned = "org/data#" + "0" * 40 + "@test"
     assert pin_hub_revision(f"{first}, {pinned}") == f"{first},{pinned}"
+
+
+def test_offloaded_frozen_models_keep_their_zero3_partitions_in_host_memory():
+    """--ref_reward_offload (RL) and --ref_offload (DPO), as OpenRLHF's: the frozen models' DeepSpeed config offloads
+    their ZeRO-3 parameters to host memory on GPUs; on CPU they already are there, and the stage says so once."""
+    from stages.engine import deepspeed_config
+    from stages.fields import cpu_notes
+
+    cfg = parse_stage_args("rl", [*TINY, "--zero_stage", "3", "--ref_reward_offload"], require_inputs=False)
+    offloaded = deepspeed_config(cfg, world_size=1, train_batch_size=128, micro_batch_size=16, train=False,
+                                 offload_params=True)
+    assert offloaded["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert "offload_param" not in deepspeed_config(cfg, world_size=1, train_batch_size=128, micro_batch_size=16,
+                                                   train=False)["zero_optimization"]
+    assert any(note.startswith("--ref_reward_offload has no effect on CPU") for note in cpu_notes(cfg))
+    dpo = parse_stage_args("dpo", [*TINY, "--zero_stage", "3", "--ref_offload"], require_inputs=False)
+    assert any(note.startswith("--ref_offload has no effect on CPU") for note in cpu_notes(dpo))
+
+
+def test_packing_turns_flash_attention_on_as_in_openrlhf():
+    """--packing_samples without --flash_attn turns it on (OpenRLHF's rule, said once); an explicit --no_flash_attn
+    keeps the block mask and says what it costs. On a GPU without the flash-attn package the stage stops naming it."""
+    from stages.errors import StageInputError
+    from stages.model_io import attn_implementation
+
+    packed = parse_stage_args("sft", [*TINY, "--packing_samples"], require_inputs=False)
+    assert packed.flash_attn and packed.notes() == ["--packing_samples turns --flash_attn on, as in OpenRLHF"]
+    explicit = parse_stage_args("sft", [*TINY, "--packing_samples", "--no_flash_attn"], require_inputs=False)
+    assert not explicit.flash_attn and "block mask" in explicit.notes()[0]
+    assert attn_implementation(packed, "cpu") is None
+    if importlib.util.find_spec("flash_attn") is None:  # this machine: no GPU build of flash-attn
+        with pytest.raises(StageInputError, match="needs the flash-attn package on GPU machines"):
+            attn_implementation(packed, "cuda")

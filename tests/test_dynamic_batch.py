@@ -8,20 +8,16 @@ own size, which turns the rounding of a near-zero gradient into a visible part o
 
 from __future__ import annotations
 
-import os
-
-# The DeepSpeed engines below are built in this process, whose accelerator is its CPU (set before DeepSpeed loads).
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-import pytest  # noqa: E402
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stages.cli import parse_stage_args
-from stages.config import RLConfig
 from stages.roles import CriticWorker, PolicyWorker, rank_micro_batches, sequence_log_probs
 from stages.sequences import balanced_partitions, build_sequences, first_fit_count, select_rows
+
+from rank_workers import built, ragged_shard
 
 
 def test_first_fit_counts_the_micro_batches_of_a_token_budget():
@@ -63,40 +59,6 @@ def test_every_rank_of_a_model_runs_as_many_micro_batches_as_the_one_needing_mos
     mp.spawn(_count_over_two_ranks, args=(str(tmp_path / "store"), results), nprocs=2)
     assert results[1] == [([0], 1), ([1], 1)]
     assert results[0] == [([0], 1), ([], 0)]
-
-
-def ragged_shard(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Eight sequences of 3 to 24 tokens, as a rank's share of an optimizer step, with advantages and reference
-    log-probs."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 300, (int(n),), generator=generator).tolist() for n in (2, 9, 4, 14, 3, 6, 11, 1)]
-    responses = [torch.randint(3, 300, (int(n),), generator=generator).tolist() for n in (1, 10, 3, 8, 2, 5, 7, 2)]
-    shard = build_sequences(prompts, responses, pad_id=0)
-    mask = shard["action_mask"]
-    shard["advantages"] = torch.randn(mask.shape, generator=generator) * mask
-    shard["ref_logp"] = -torch.rand(mask.shape, generator=generator) * 3 * mask
-    shard["old_values"] = torch.randn(mask.shape, generator=generator) * mask
-    shard["returns"] = torch.randn(mask.shape, generator=generator) * mask
-    return shard
-
-
-@pytest.fixture
-def one_deepspeed_rank(one_rank, monkeypatch):
-    """This process as rank 0 of 1 for DeepSpeed, as a rank actor sets itself up (stages/distributed.py)."""
-    from stages.distributed import skip_deepspeed_shm_comm
-
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
-        monkeypatch.setenv(name, value)
-    skip_deepspeed_shm_comm()
-
-
-def built(worker_cls, cfg) -> object:
-    """A rank of `worker_cls` in this process: its model and DeepSpeed engine on the one gloo rank."""
-    worker = worker_cls.__new__(worker_cls)
-    worker.rank, worker.world_size, worker.device = 0, 1, "cpu"
-    worker.setup(cfg.model_dump(), RLConfig)
-    worker.build(4)
-    return worker
 
 
 def forwards_of(worker) -> list[int]:

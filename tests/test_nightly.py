@@ -245,6 +245,10 @@ def test_memory_of_a_trained_and_a_frozen_model_worked_numbers():
     assert zero2.activations == 10 * 17 * 100 * 1000 * 2 + 6e4  # every layer kept whole
     frozen = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, tokens=2 * 50, with_logits=True)
     assert (frozen.weights, frozen.gradients, frozen.optimizer) == (2.5e8, 0.0, 0.0)
+    # --ref_reward_offload: the partitions in host memory, one layer (1e9 / 10 parameters) gathered at a time.
+    offloaded = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, tokens=2 * 50, with_logits=True,
+                              offloaded=True)
+    assert offloaded.weights == 2e8 and offloaded.activations == frozen.activations
     # fp32: 4-byte activations (10.8e6), logits 100 × 100 × (4 + 4).
     fp32 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True,
                           **{**common, "bf16": False})
