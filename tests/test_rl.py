@@ -74,14 +74,16 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     assert metrics["pass4"] >= metrics["accuracy"] - 0.05, metrics
 
 
-def test_async_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model,
-                                                                         reward_model):
-    """Async PPO, rollouts two policy versions ahead, 48 prompts per generate call for rollouts of 32 (the rest
-    kept for the next steps), the engines' log-probs corrected for (seq-mask-tis), an adaptive KL controller: killed
-    after the checkpoint of step 3, restarted, the six steps equal the uninterrupted run's (actor, critic, KL
-    controller, the two rollouts produced ahead and the groups kept, prompt position, RNG), and so does the output,
-    the actor's moving average (--enable_ema), which the restart reads back from the checkpoint."""
-    flags = (*PPO, "--reward_pretrain", reward_model, "--max_samples", 192, "--save_steps", 3, "--kl_target", "1.0",
+def test_async_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model):
+    """Async PPO (its critic from the SFT model, the rule reward), rollouts two policy versions ahead, 48 prompts per
+    generate call for rollouts of 32 (the rest kept for the next steps), the engines' log-probs corrected for
+    (seq-mask-tis), an adaptive KL controller: killed after the checkpoint of step 3, restarted, the six steps equal
+    the uninterrupted run's (actor, critic, KL controller, the two rollouts produced ahead and the groups kept, prompt
+    position, RNG), and so does the output, the actor's moving average (--enable_ema), which the restart reads back
+    from the checkpoint."""
+    ppo_with_rule_reward = tuple(flag for flag in PPO if flag != "--normalize_reward")
+    flags = (*ppo_with_rule_reward, "--remote_rm_url", RULE_REWARD, "--max_samples", 192, "--save_steps", 3,
+             "--kl_target", "1.0",
              "--no_colocate_all_models", "--colocate_actor_ref", "--colocate_critic_reward", "--async_train",
              "--async_queue_size", 2, "--vllm_generate_batch_size", 48, "--enable_vllm_is_correction",
              "--vllm_is_correction_type", "seq-mask-tis", "--enable_ema", "--ema_beta", "0.5")
@@ -116,7 +118,7 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
     """Actor, reference and engine each on bundles of their own; groups whose samples all score alike are replaced
     by further prompts; the output is the best evaluated actor."""
     policy, proc = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--remote_rm_url",
-                      RULE_REWARD, "--no_colocate_all_models", "--rollout_backend", "vllm", "--dynamic_filtering",
+                      RULE_REWARD, "--no_colocate_all_models", "--dynamic_filtering",
                       "--max_samples", 800,
                       "--eval_dataset", assets["prompts_eval"], "--eval_steps", 3,
                       "--save_best", "--entropy_loss_coef", "0", "--eval_n_samples_per_prompt", 0)
@@ -258,13 +260,13 @@ def test_the_seed_hybrid_engine_command_is_the_llama3_8b_presets_rl_section():
     """The quick start's hybrid-engine PPO line (packing, gradient checkpointing, sleep, colocated) sets every
     training setting the llama3-8b preset's RL section sets, so the preset's rehearsal (tests/test_rehearsals.py: two
     rollouts on 2 CPU ranks per model, killed after the first checkpoint and resumed) is that command's rehearsal.
-    They differ only where the command leaves a setting to its defaults: the device (auto: the cluster's GPUs),
-    FlashAttention, the prompts it is given, and how much and how often to save."""
+    They differ only where the command leaves a setting to its defaults: the device (auto: the cluster's GPUs), the
+    prompts it is given, and how much and how often to save (its packing turns FlashAttention on, as the preset's)."""
     command = parse_stage_args("rl", stage_argv(SEED_PPO_HYBRID)[1], require_inputs=False).model_dump(mode="json")
     preset = load_pipeline_config("llama3-8b").rl.model_dump(mode="json")
     differing = {field for field in command if command[field] != preset[field]}
-    assert differing == {"device", "flash_attn", "prompt_data", "input_key", "apply_chat_template", "max_samples",
-                         "save_path", "save_steps", "max_ckpt_num"}, differing
+    assert differing == {"device", "prompt_data", "input_key", "apply_chat_template", "max_samples", "save_path",
+                         "save_steps", "max_ckpt_num"}, differing
     assert (command["device"], preset["device"]) == ("auto", "cuda")
 
 
