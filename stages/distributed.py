@@ -40,9 +40,14 @@ def cpu_threads(processes_per_node: int) -> int:
     """Compute threads of each of `processes_per_node` CPU processes that work at the same time on a node.
 
     The RL stage's models take turns on CPU (generation, then each model's forward, then training), so each
-    model's ranks get all the cores between them rather than a fixed share of one.
+    model's ranks get all the cores between them rather than a fixed share of one. $RLHF_CPU_CORES caps the cores
+    counted, for a machine that also runs other work: threads beyond the free cores spin in OpenMP's barriers and
+    slow every process down (two tiny RL stages side by side on 2 cores take twice as long with 2 threads per
+    process as with 1).
     """
     cores = min((node["Resources"].get("CPU", 1) for node in ray.nodes() if node["Alive"]), default=1)
+    if os.environ.get("RLHF_CPU_CORES"):
+        cores = min(cores, int(os.environ["RLHF_CPU_CORES"]))
     return max(1, int(cores) // max(processes_per_node, 1))
 
 

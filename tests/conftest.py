@@ -51,6 +51,18 @@ LONGEST_FIRST = ("test_pipeline.py", "test_deployment.py", "test_rehearsals.py",
                  "test_bench.py", "test_orchestration.py", "test_rollout.py", "test_transient.py")
 
 
+def pytest_configure(config):
+    """The xdist workers share the machine's cores: each worker's stages compute with its share (RLHF_CPU_CORES, read
+    by stages/distributed.py; OMP_NUM_THREADS for this process, before the tests import torch, and the processes the
+    tests start). Threads beyond the free cores spin in OpenMP's barriers: two tiny RL stages side by side on 2 cores
+    take twice as long with 2 threads each as with 1."""
+    if not hasattr(config, "workerinput"):  # one process (-n 0), or xdist's controller, which runs no test
+        return
+    cores = str(max(1, (os.cpu_count() or 1) // config.workerinput["workercount"]))
+    os.environ.setdefault("RLHF_CPU_CORES", cores)
+    os.environ.setdefault("OMP_NUM_THREADS", cores)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         name = item.path.name
