@@ -164,6 +164,12 @@ def test_output_dir() -> Path:
     return TEST_OUTPUT_DIR
 
 
+def pytest_sessionfinish(session, exitstatus):
+    from stage_runs import stop_shared_ray_head
+
+    stop_shared_ray_head()
+
+
 def pytest_terminal_summary(terminalreporter):
     saved = sorted(p for p in TEST_OUTPUT_DIR.glob("*") if p.is_file() and p.stat().st_mtime >= _SESSION_STARTED)
     if saved:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from infra.ray_cluster import TEMP_PARENT, TEMP_PREFIX, LocalRayHead, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 900
@@ -23,13 +26,44 @@ def shared_ray_address() -> str:
     """A Ray head for this test session's stage runs, started at first use: a stage joins it as the driver of a
     pipeline's Ray job joins its cluster, instead of starting a private one (about 4 s a run)."""
     if not _SHARED_HEAD:
-        from infra.ray_cluster import LocalRayHead
-
-        head = LocalRayHead(num_cpus=os.cpu_count(), auth_mode="disabled")
+        head = DriversOnlyRayHead(num_cpus=os.cpu_count(), auth_mode="disabled")
         head.start()
-        atexit.register(head.stop)
         _SHARED_HEAD.append(head)
     return _SHARED_HEAD[0].gcs_address
+
+
+def stop_shared_ray_head() -> None:
+    """At the end of the session (conftest.pytest_sessionfinish: an xdist worker may end without running atexit)."""
+    while _SHARED_HEAD:
+        _SHARED_HEAD.pop().stop()
+
+
+class DriversOnlyRayHead(LocalRayHead):
+    """A local head that drivers join by its GCS address: no dashboard, so no Jobs API, and about half the idle CPU
+    of a full head over the session it lives."""
+
+    def command(self, dashboard_port: int, gcs_port: int | None = None) -> list[str]:
+        dashboard_flags = ("--dashboard-host", "--dashboard-port", "--ray-client-server-port")
+        return [part for part in super().command(dashboard_port, gcs_port)
+                if not part.startswith(dashboard_flags)] + ["--include-dashboard=false"]
+
+    def start(self) -> str:
+        self._temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_PARENT)
+        self._log_path = Path(self._temp_dir) / "ray-start.log"
+        gcs_port = free_port(self.bind_host)
+        with open(self._log_path, "wb") as log:
+            self._process = subprocess.Popen(self.command(0, gcs_port), env=self.environment(), stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self._process.pid
+        deadline = time.monotonic() + self.startup_timeout_s
+        while "will now block forever" not in self._log_path.read_text(errors="replace"):  # every process is up
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                tail = self._log_path.read_text(errors="replace")[-3000:]
+                self.stop()
+                raise RuntimeError(f"the test session's Ray head did not start:\n{tail}")
+            time.sleep(0.3)
+        self.gcs_address = f"{self.bind_host}:{gcs_port}"
+        return self.gcs_address
 
 
 def stage_env(env: dict | None = None, private_ray: bool = False) -> dict:
