@@ -1,26 +1,20 @@
-"""Crashes the way they happen, injected from the tests: a stage process killed with SIGKILL right after one of its
-checkpoints is committed. Nothing in the product knows about them."""
+"""Crashes the way they happen, injected from the tests: a stage's Ray job killed with SIGKILL right after one of its
+checkpoints is committed, or the checkpoints such a kill leaves. Nothing in the product knows about them."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
 
-from stage_runs import ROOT, STAGE_TIMEOUT_S, stage_env
 
-
-def kill_tree(pid: int, child: subprocess.Popen | None = None) -> None:
-    """SIGKILL a process and everything below it (its ranks, its private Ray). When it is our `child`, the Popen
-    reaps it, so that its return code says how it died."""
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything below it (a job driver: its ranks and engines)."""
     try:
         process = psutil.Process(pid)
         tree = [process, *process.children(recursive=True)]
@@ -31,46 +25,22 @@ def kill_tree(pid: int, child: subprocess.Popen | None = None) -> None:
             member.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    if child is not None:
-        child.wait()
-        tree = tree[1:]
     psutil.wait_procs(tree, timeout=30)
 
 
-def latest_checkpoint(ckpt_dir: Path) -> int:
-    marker = Path(ckpt_dir) / "latest_step.json"
-    return json.loads(marker.read_text())["step"] if marker.exists() else 0
-
-
-def run_killed_at_checkpoint(command: list, ckpt_dir: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a stage command (on the session's Ray head) and SIGKILL it, with every process it started, as soon as its
-    first checkpoint under `ckpt_dir` is committed (`latest_step.json` appears). Its Ray actors die with their
-    driver. Returns what it printed; fails if it ends first."""
-    full_env = stage_env(env)
-    logs = Path(tempfile.mkdtemp(prefix="killed-stage-"))
-    out, err = logs / "stdout", logs / "stderr"
-    with out.open("w") as stdout, err.open("w") as stderr:
-        proc = subprocess.Popen(list(map(str, command)), cwd=ROOT, env=full_env, stdout=stdout, stderr=stderr,
-                                start_new_session=True)
-    deadline = time.monotonic() + STAGE_TIMEOUT_S
-    try:
-        while not latest_checkpoint(ckpt_dir):
-            if proc.poll() is not None:
-                raise AssertionError(f"{command[:4]} exited {proc.returncode} before its first checkpoint\n"
-                                     f"--- stdout\n{out.read_text()[-6000:]}\n--- stderr\n{err.read_text()[-6000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{command[:4]} wrote no checkpoint within {STAGE_TIMEOUT_S}s")
-            time.sleep(0.01)
-    finally:
-        kill_tree(proc.pid, child=proc)
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
-    shutil.rmtree(logs)
-    return done
-
-
-def stage_command(stage: str, *flags, config: str = "tiny") -> list:
-    """`python -m stages.<stage> --config <config> <flags>`, as stage_runs.run_stage runs it."""
-    return [sys.executable, "-m", f"stages.{stage}", "--config", config, *flags]
+def rewound_checkpoints(ckpt_dir: Path, to: Path, step: int) -> Path:
+    """A copy of a run's checkpoints as the run leaves them when it is killed right after committing `step`: the newer
+    checkpoints absent, `latest_step.json` at `step` (the marker is written last, engine.commit_checkpoint). A run
+    pointed at the copy resumes from `step`: an exact-resume test needs the uninterrupted run and this restart, not a
+    third run to kill. Killing the process itself is the pipelines' (KillJobAfterCheckpoint, and the deployment test's
+    rank, worker and Ray head kills)."""
+    shutil.copytree(ckpt_dir, to)
+    for path in to.glob("step*"):
+        if int(path.name.removeprefix("step")) > step:
+            shutil.rmtree(path)
+    assert (to / f"step{step:08d}").is_dir(), f"{ckpt_dir} holds no checkpoint of step {step}"
+    (to / "latest_step.json").write_text(json.dumps({"step": step}))
+    return to
 
 
 class KillJobAfterCheckpoint(threading.Thread):

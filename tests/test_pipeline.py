@@ -11,8 +11,8 @@ The nights after it, on the same store (its policy is production now):
 - nothing changed: every stage is reused, no Ray job is submitted;
 - the evaluation's HTTP reward endpoint is down: the evaluation fails retryably and commits nothing; the next
   night, the endpoint back, completes, and the whole store verifies;
-- the other shapes that start from SFT (RL with a reward function or an agent, DPO, KTO), a few steps each, on the
-  same SFT.
+- the other shapes that start from SFT (RL on an agent's episodes, DPO, KTO), a few steps each, on the same SFT
+  (RL with a reward function is the llama3-8b-grpo rehearsal's, tests/test_rehearsals.py).
 The GPU presets' rehearsals run in tests/test_rehearsals.py, beside this module.
 """
 
@@ -281,8 +281,7 @@ def test_a_night_whose_reward_endpoint_is_down_fails_retryably_and_the_next_nigh
 # A few steps each: these runs check that the shapes run end to end, not what they learn. "sft-rl-agent" is the
 # tiny-agent preset (it extends tiny): RL on the tiny agent's episodes, the evaluation playing them too; on tiny's
 # store (its name), so that it starts from the committed SFT like the others.
-SHAPES_FROM_SFT = {"sft-rl": ("tiny", "sft-rl", {"rl": {"max_samples": 32}}),
-                   "sft-dpo": ("tiny", "sft-dpo", {"dpo": {"max_samples": 64}}),
+SHAPES_FROM_SFT = {"sft-dpo": ("tiny", "sft-dpo", {"dpo": {"max_samples": 64}}),
                    "sft-kto": ("tiny", "sft-kto", {"kto": {"max_samples": 32}}),
                    "sft-rl-agent": ("tiny-agent", "sft-rl", {"name": "tiny", "rl": {"max_samples": 32}})}
 

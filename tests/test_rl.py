@@ -1,7 +1,7 @@
 """The RL stage for real (`python -m stages.rl`) on the tiny task, one CPU rank per model as the tiny preset runs it.
 
 PPO with a critic and the reward model, every other advantage estimator, every placement, exact resume, reward
-functions that break and endpoints that are down, and the seed's PPO command rehearsed on CPU (two ranks per model).
+functions that break and endpoints that are down, and the seed's GRPO command rehearsed on CPU (two ranks per model).
 The tiny preset generates with HF; the runs that stream weights into vLLM engines say so. The session's SFT model
 and reward model (conftest.py) feed every run.
 """
@@ -20,7 +20,7 @@ from pipeline.config import load_pipeline_config
 from pipeline.rehearsal import StandIns, rehearse_stage
 
 from conftest import free_port
-from faults import latest_checkpoint, run_killed_at_checkpoint, stage_command
+from faults import rewound_checkpoints
 from stage_runs import history_of, max_weight_change, metrics_of, run_stage, weights
 from test_config import SEED_GRPO, SEED_PPO, SEED_PPO_HYBRID, stage_argv
 from test_rewards import RewardServer
@@ -28,7 +28,6 @@ from test_rewards import RewardServer
 pytestmark = pytest.mark.slow
 
 RULE_REWARD = "stages/tiny_reward.py"
-SEED_COMMANDS = {"SEED_PPO": SEED_PPO, "SEED_GRPO": SEED_GRPO}
 # PPO on the tiny task: 4 samples per prompt (one optimizer step of 128 per rollout), the KL in the reward (k1),
 # rewards standardised with the reward model's statistics, a critic learning as fast as the actor.
 PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl_loss", "--kl_estimator", "k1",
@@ -77,10 +76,10 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
 def test_async_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model):
     """Async PPO (its critic from the SFT model, the rule reward), rollouts two policy versions ahead, 48 prompts per
     generate call for rollouts of 32 (the rest kept for the next steps), the engines' log-probs corrected for
-    (seq-mask-tis), an adaptive KL controller: killed after the checkpoint of step 3, restarted, the six steps equal
-    the uninterrupted run's (actor, critic, KL controller, the two rollouts produced ahead and the groups kept, prompt
-    position, RNG), and so does the output, the actor's moving average (--enable_ema), which the restart reads back
-    from the checkpoint."""
+    (seq-mask-tis), an adaptive KL controller: restarted from its checkpoints as a kill after step 3 leaves them, the
+    six steps equal the uninterrupted run's (actor, critic, KL controller, the two rollouts produced ahead and the
+    groups kept, prompt position, RNG), and so does the output, the actor's moving average (--enable_ema), which the
+    restart reads back from the checkpoint."""
     ppo_with_rule_reward = tuple(flag for flag in PPO if flag != "--normalize_reward")
     flags = (*ppo_with_rule_reward, "--remote_rm_url", RULE_REWARD, "--max_samples", 192, "--save_steps", 3,
              "--kl_target", "1.0",
@@ -88,11 +87,7 @@ def test_async_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_pat
              "--async_queue_size", 2, "--vllm_generate_batch_size", 48, "--enable_vllm_is_correction",
              "--vllm_is_correction_type", "seq-mask-tis", "--enable_ema", "--ema_beta", "0.5")
     full, _ = rl(tmp_path, sft_model, assets, *flags, name="full")
-    resumed_dir = tmp_path / "resumed"
-    run_killed_at_checkpoint(stage_command("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
-                                           "--save_path", resumed_dir / "model", "--ckpt_path", resumed_dir / "ckpt",
-                                           *flags), resumed_dir / "ckpt")
-    assert latest_checkpoint(resumed_dir / "ckpt") == 3 and not (resumed_dir / "model" / "metrics.json").exists()
+    rewound_checkpoints(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt", 3)
     resumed, proc = rl(tmp_path, sft_model, assets, *flags, name="resumed")
     assert "resumed from the checkpoint of step 3" in proc.stdout
     assert metrics_of(resumed)["resumed_from_step"] == 3
@@ -119,8 +114,8 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
     by further prompts; the output is the best evaluated actor."""
     policy, proc = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--remote_rm_url",
                       RULE_REWARD, "--no_colocate_all_models", "--dynamic_filtering",
-                      "--max_samples", 800,
-                      "--eval_dataset", assets["prompts_eval"], "--eval_steps", 3,
+                      "--max_samples", 384,
+                      "--eval_dataset", assets["prompts_eval"], "--eval_steps", 4,
                       "--save_best", "--entropy_loss_coef", "0", "--eval_n_samples_per_prompt", 0)
     history, metrics = history_of(policy), metrics_of(policy)
     assert "roles {'actor': 1, 'ref': 1} + 1 engine(s)" in proc.stdout
@@ -136,17 +131,18 @@ def test_grpo_on_separate_placements_with_dynamic_filtering_and_best_checkpoint(
 
 def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, assets, sft_model):
     """--enable_ema --ema_beta 0.75 over one optimizer step (ZeRO-3: the averaged weights are gathered): the output
-    is 0.75 × the SFT weights + 0.25 × the actor a run without EMA trains from the same seed (EMA never changes
-    training)."""
-    flags = ("--remote_rm_url", RULE_REWARD, "--max_samples", 32, "--zero_stage", 3)
-    actor, _ = rl(tmp_path, sft_model, assets, *flags, name="actor")
-    averaged, _ = rl(tmp_path, sft_model, assets, *flags, "--enable_ema", "--ema_beta", "0.75", name="ema")
-    assert len(history_of(averaged)) == 1 and max_weight_change(sft_model, actor) > 1e-4  # one Adam step: ~lr
-    start, trained, ema = weights(sft_model), weights(actor), weights(averaged)
-    assert ema.keys() == trained.keys()
-    for name, value in trained.items():
-        expected = 0.75 * start[name] + 0.25 * value
-        assert float((ema[name] - expected).abs().max()) < 1e-6, name
+    is 0.75 × the SFT weights + 0.25 × the trained actor, which the step's checkpoint holds (ZeRO-3 partitions,
+    merged with DeepSpeed's own zero_to_fp32)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    averaged, _ = rl(tmp_path, sft_model, assets, "--remote_rm_url", RULE_REWARD, "--max_samples", 32,
+                     "--zero_stage", 3, "--save_steps", 1, "--enable_ema", "--ema_beta", "0.75")
+    assert len(history_of(averaged)) == 1
+    trained = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "run" / "ckpt" / "step00000001"), tag="actor")
+    start, ema = weights(sft_model), weights(averaged)
+    assert set(trained) == set(ema) and max(float((trained[n] - start[n]).abs().max()) for n in trained) > 1e-4
+    for name, value in ema.items():
+        assert float((value - (0.75 * start[name] + 0.25 * trained[name])).abs().max()) < 1e-6, name
 
 
 @pytest.mark.parametrize(
@@ -223,20 +219,16 @@ def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sf
     assert "reward_func in" in proc.stderr and "nan_reward.py returned non-finite rewards (nan) at index 3" in proc.stderr
 
 
-# The hybrid-engine line is the llama3-8b preset's RL section (below), which tests/test_rehearsals.py runs, killed
-# and resumed, in the preset's rehearsal: running it here again would rehearse the same stage twice.
-@pytest.mark.parametrize("command", ["SEED_PPO", "SEED_GRPO"])
-def test_the_seed_rl_commands_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model, command):
-    """The seed's Workflow 1 PPO and Workflow 2 GRPO commands (our module path) run two rollouts with only the
-    stated swaps, every flag meaning what it means in OpenRLHF."""
-    argv = stage_argv(SEED_COMMANDS[command])[1]
+def test_the_seed_grpo_command_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model):
+    """The seed's Workflow 2 GRPO command (our module path) runs two rollouts with only the stated swaps, every flag
+    meaning what it means in OpenRLHF."""
+    argv = stage_argv(SEED_GRPO)[1]
     preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
     stand_ins = StandIns(base_model=str(assets["model"]), policy_model=str(sft_model), reward_model=str(reward_model),
                          data_dir=assets["prompts_train"].parent, fixtures_dir=tmp_path / "fixtures")
     values, swaps = rehearse_stage("rl", preset, stand_ins)
     swapped = {swap.field for swap in swaps}
-    assert {"advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "vllm_enable_sleep",
-            "deepspeed_enable_sleep", "normalize_reward", "init_kl_coef", "packing_samples", "gradient_checkpointing",
+    assert {"advantage_estimator", "colocate_all_models", "zero_stage", "bf16", "normalize_reward", "init_kl_coef",
             "use_kl_loss", "kl_estimator", "no_advantage_std_norm"}.isdisjoint(swapped)
     config = tmp_path / "rl.yaml"
     config.write_text(yaml.safe_dump({k: v for k, v in values.items() if k not in ("save_path", "ckpt_path")}))
@@ -244,30 +236,32 @@ def test_the_seed_rl_commands_rehearsed_on_cpu(tmp_path, assets, sft_model, rewa
     proc = run_stage("rl", "--save_path", out / "model", "--ckpt_path", out / "ckpt", config=str(config))
     history = history_of(out / "model")
     assert len(history) == 2 and max_weight_change(sft_model, out / "model") > 0
-    if command == "SEED_GRPO":
-        assert "roles {'actor': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
-        assert values["n_samples_per_prompt"] == 8  # unset in the command (the note is said where it is parsed)
-        assert "--no_advantage_std_norm has no effect with --advantage_estimator group_norm" in proc.stdout
-        assert all(math.isfinite(r["kl_loss"]) for r in history)
-    else:
-        assert "roles {'actor': 2, 'critic': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
-        assert all(math.isfinite(r["critic_loss"]) for r in history)
-        for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
-            assert f"--{flag} has no effect on CPU" in proc.stdout
+    assert "roles {'actor': 2, 'ref': 2, 'reward': 2} + 1 engine(s)" in proc.stdout
+    assert values["n_samples_per_prompt"] == 8  # unset in the command (the note is said where it is parsed)
+    assert "--no_advantage_std_norm has no effect with --advantage_estimator group_norm" in proc.stdout
+    assert all(math.isfinite(r["kl_loss"]) for r in history)
 
 
-def test_the_seed_hybrid_engine_command_is_the_llama3_8b_presets_rl_section():
+def test_the_seed_ppo_commands_are_the_llama3_8b_presets_rl_section():
     """The quick start's hybrid-engine PPO line (packing, gradient checkpointing, sleep, colocated) sets every
     training setting the llama3-8b preset's RL section sets, so the preset's rehearsal (tests/test_rehearsals.py: two
-    rollouts on 2 CPU ranks per model, killed after the first checkpoint and resumed) is that command's rehearsal.
-    They differ only where the command leaves a setting to its defaults: the device (auto: the cluster's GPUs), the
-    prompts it is given, and how much and how often to save (its packing turns FlashAttention on, as the preset's)."""
-    command = parse_stage_args("rl", stage_argv(SEED_PPO_HYBRID)[1], require_inputs=False).model_dump(mode="json")
+    rollouts on 2 CPU ranks per model, critic and reward model included) is that command's rehearsal. They differ only
+    where the command leaves a setting to its defaults: the device (auto: the cluster's GPUs), the prompts it is
+    given, and how much and how often to save (its packing turns FlashAttention on, as the preset's). Workflow 1's
+    PPO line is the same command without packing (so without FlashAttention), gradient checkpointing and the engines'
+    memory share, on the reward model it trained: padded PPO with a critic is test_ppo_with_critic_and_reward_model_
+    learns's, on two ranks per model the GRPO command's above."""
+    hybrid = parse_stage_args("rl", stage_argv(SEED_PPO_HYBRID)[1], require_inputs=False).model_dump(mode="json")
     preset = load_pipeline_config("llama3-8b").rl.model_dump(mode="json")
-    differing = {field for field in command if command[field] != preset[field]}
+    differing = {field for field in hybrid if hybrid[field] != preset[field]}
     assert differing == {"device", "prompt_data", "input_key", "apply_chat_template", "max_samples", "save_path",
                          "save_steps", "max_ckpt_num"}, differing
-    assert (command["device"], preset["device"]) == ("auto", "cuda")
+    assert (hybrid["device"], preset["device"]) == ("auto", "cuda")
+    workflow_1 = parse_stage_args("rl", stage_argv(SEED_PPO)[1], require_inputs=False).model_dump(mode="json")
+    differing = {field: workflow_1[field] for field in hybrid if hybrid[field] != workflow_1[field]}
+    assert differing == {"packing_samples": False, "flash_attn": False, "gradient_checkpointing": False,
+                         "vllm_gpu_memory_utilization": 0.95, "reward_pretrain": "./output/llama3-8b-rm",
+                         "save_path": "./output/llama3-8b-ppo"}, differing
 
 
 def ragged_prompts(path: Path, out: Path, seed: int) -> Path:

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from stages import data, packing, sequences, tiny
 from stages.model_io import load_tokenizer
 
 from conftest import SFT_FLAGS, SFT_STEPS, free_port
-from faults import latest_checkpoint, run_killed_at_checkpoint, stage_command
+from faults import rewound_checkpoints
 from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage
 
 LAUNCHER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -84,21 +83,20 @@ def test_sft_learns_and_exports_a_loadable_model(sft_model, assets):
     assert model.config.vocab_size == len(tokenizer)
 
 
-def test_sft_resume_after_crash_repeats_the_uninterrupted_losses(sft_model, assets, tmp_path):
-    """A run killed right after its first checkpoint, then restarted, logs the very losses of the full run."""
-    flags = ("--pretrain", assets["model"], "--dataset", assets["sft_train"], "--save_path", tmp_path / "model",
-             "--ckpt_path", tmp_path / "ckpt", *SFT_FLAGS)
-    crashed = run_killed_at_checkpoint(stage_command("sft", *flags), tmp_path / "ckpt")
-    assert crashed.returncode == -signal.SIGKILL and latest_checkpoint(tmp_path / "ckpt") == 50
-    assert not (tmp_path / "model" / "metrics.json").exists()
+def test_sft_resumed_from_its_last_checkpoint_repeats_the_uninterrupted_losses(sft_model, assets, tmp_path):
+    """The session SFT's checkpoints as a run killed right after its newest one (step 200) leaves them, restarted:
+    the very losses and weights of the uninterrupted run."""
+    flags = ("--pretrain", assets["model"], "--dataset", assets["sft_train"], "--eval_dataset", assets["sft_eval"],
+             "--save_path", tmp_path / "model", "--ckpt_path", tmp_path / "ckpt", *SFT_FLAGS)
+    rewound_checkpoints(sft_model.parent / "ckpt", tmp_path / "ckpt", 200)
     run_stage("sft", *flags)
-    assert metrics_of(tmp_path / "model")["resumed_from_step"] == 50
+    assert metrics_of(tmp_path / "model")["resumed_from_step"] == 200
 
     full = json.loads((sft_model / "history.json").read_text())
     resumed = json.loads((tmp_path / "model" / "history.json").read_text())
     assert [r["step"] for r in resumed] == list(range(1, SFT_STEPS + 1))
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full], rel=1e-5)
-    assert "[sft] done" not in crashed.stdout
+    assert metrics_of(tmp_path / "model")["eval_loss"] == pytest.approx(metrics_of(sft_model)["eval_loss"], rel=1e-5)
     assert max_weight_change(sft_model, tmp_path / "model") < 1e-5
 
 
@@ -220,15 +218,15 @@ def test_kto_answers_better_than_its_sft_start(sft_model, sft_accuracy, assets, 
     assert max_weight_change(sft_model, out) > 1e-4
 
 
-def test_kto_resume_after_crash_repeats_the_uninterrupted_losses(sft_model, assets, tmp_path):
-    """Four steps uninterrupted, then killed after the checkpoint of step 2 and restarted: the same four steps."""
+def test_kto_resumed_after_a_crash_repeats_the_uninterrupted_losses(sft_model, assets, tmp_path):
+    """Four steps uninterrupted, then restarted from its checkpoints as a kill after step 2 leaves them: the same
+    four steps."""
     def flags(out: Path) -> tuple:
         return ("--pretrain", sft_model, "--dataset", assets["kto_train"], "--max_samples", 64, "--save_path",
                 out / "model", "--ckpt_path", out / "ckpt", *KTO_FLAGS, "--save_steps", 2)
 
     run_stage("kto", *flags(tmp_path / "full"))
-    run_killed_at_checkpoint(stage_command("kto", *flags(tmp_path / "resumed")), tmp_path / "resumed" / "ckpt")
-    assert not (tmp_path / "resumed" / "model" / "metrics.json").exists()
+    rewound_checkpoints(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt", 2)
     run_stage("kto", *flags(tmp_path / "resumed"))
     assert metrics_of(tmp_path / "resumed" / "model")["resumed_from_step"] == 2
     full, resumed = history_of(tmp_path / "full" / "model"), history_of(tmp_path / "resumed" / "model")
@@ -253,13 +251,15 @@ def seed_command(command: str, assets, out: Path, *extra) -> tuple[str, list]:
 @pytest.mark.parametrize("seed, resumed", [("SEED_RM", True), ("SEED_DPO", False)])
 def test_seed_command_trains_under_the_deepspeed_launcher(seed, resumed, assets, tmp_path):
     """The seed's train_rm / train_dpo lines (ZeRO-3, bf16, gradient checkpointing, --flash_attn, chat-format pairs
-    without --prompt_key) under `deepspeed --module`. The reward model's is also killed after a checkpoint and
-    restarted: the same losses (DPO's resume is the same loop as KTO's, resumed exactly on Ray above)."""
+    without --prompt_key) under `deepspeed --module`. The reward model's is also restarted from its checkpoints as a
+    kill after step 2 leaves them: the same losses (DPO's resume is the same loop as KTO's, resumed exactly on Ray
+    above)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from tests import test_config
 
-    stage, argv = seed_command(getattr(test_config, seed), assets, tmp_path / "full")
+    checkpoints = ("--save_steps", 2) if resumed else ()  # the seed's -1 saves none
+    stage, argv = seed_command(getattr(test_config, seed), assets, tmp_path / "full", *checkpoints)
     full = run_launcher(stage, *argv)
     assert full.stdout.count(f"[{stage}] --flash_attn has no effect on CPU") == 1
     history = history_of(tmp_path / "full" / "model")
@@ -268,9 +268,8 @@ def test_seed_command_trains_under_the_deepspeed_launcher(seed, resumed, assets,
     output = tmp_path / "full" / "model"
 
     if resumed:
-        _, argv = seed_command(getattr(test_config, seed), assets, tmp_path / "resumed", "--save_steps", 2)
-        run_killed_at_checkpoint(launcher_command(stage, *argv), tmp_path / "resumed" / "ckpt", env=LAUNCHER_ENV)
-        assert not (tmp_path / "resumed" / "model" / "metrics.json").exists()
+        _, argv = seed_command(getattr(test_config, seed), assets, tmp_path / "resumed", *checkpoints)
+        rewound_checkpoints(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt", 2)
         run_launcher(stage, *argv)
         output = tmp_path / "resumed" / "model"
         assert metrics_of(output)["resumed_from_step"] == 2
