@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -102,24 +101,23 @@ def verdict(operation: str, error: BaseException) -> int:
 
 
 @pytest.mark.parametrize("operation", S3_OPERATIONS)
-@pytest.mark.parametrize(("status", "times", "expected"), [(503, 2, 0), (500, None, 1), (403, None, 2)],
+# A blip of one failed request: its retry comes 1 s later, well inside RETRY_S on a loaded machine (two would take
+# 1 + 2 s of back-off, near it).
+@pytest.mark.parametrize(("status", "times", "expected"), [(503, 1, 0), (500, None, 1), (403, None, 2)],
                          ids=["blip", "outage", "denied"])
 def test_s3_blips_are_retried_outages_fail_retryably_refusals_at_once(s3_objects, s3_through_faults, tmp_path,
                                                                       monkeypatch, operation, status, times, expected):
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "cache"))  # every model check downloads
     s3_through_faults.fail(status, times)
-    started = time.monotonic()
     try:
         S3_OPERATIONS[operation](s3_objects, tmp_path)
         outcome = 0
     except Exception as error:  # noqa: BLE001 - the test classifies whatever comes
         outcome = verdict(operation, error)
-    seconds = time.monotonic() - started
     assert outcome == expected, (operation, status)
-    if expected == 2:
-        assert seconds < 1.5, "a refusal must not be retried"
-    else:
-        assert s3_through_faults.failed >= 2, "retried"
+    # Requests the endpoint failed: a refusal's one (never retried), the blip's one (then the retry passed), an
+    # outage's every retry.
+    assert s3_through_faults.failed == 1 if expected != 1 else s3_through_faults.failed >= 2, s3_through_faults.failed
 
 
 @pytest.fixture
