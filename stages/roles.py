@@ -569,6 +569,10 @@ class Roles:
                                   f"cluster has {ray.cluster_resources().get('GPU', 0):g}: lower the "
                                   "*_num_gpus_per_node flags or colocate")
         bundle = bundle_resources("rl", device, total, ray.cluster_resources().get("CPU", 1))
+        # With --async_train the engines generate while a model computes: on CPU the two sides share the cores
+        # (with threads for all of them each, they spin against each other and both slow down).
+        actor_per_node = -(-ranks["actor"] // cfg.actor_num_nodes)
+        beside_models, beside_engines = ((cfg.vllm_num_engines, actor_per_node) if cfg.async_train else (0, 0))
         self.placement_groups = []
         self.groups: dict[str, ActorGroup] = {}
         engine_options: dict[str, Any] = {}
@@ -586,14 +590,14 @@ class Roles:
                     per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
                     self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role,
                                                    placement=Placement(group, **fraction),
-                                                   threads=cpu_threads(per_node))
+                                                   threads=cpu_threads(per_node + beside_models))
         self.engines = create_rollout_engines(
             cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
             tensor_parallel_size=cfg.vllm_tensor_parallel_size,
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
             seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.total_len,
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
-            cpu_threads=cpu_threads(cfg.vllm_num_engines), wait=False, **engine_options,
+            cpu_threads=cpu_threads(cfg.vllm_num_engines + beside_engines), wait=False, **engine_options,
         )
         self.sequential = models_take_turns(cfg, device)
         self.buckets: list = []
