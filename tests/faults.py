@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from stages.engine import LATEST_MARKER, step_dir
+
 
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and everything below it (a job driver: its ranks and engines)."""
@@ -36,10 +38,10 @@ def rewound_checkpoints(ckpt_dir: Path, to: Path, step: int) -> Path:
     rank, worker and Ray head kills)."""
     shutil.copytree(ckpt_dir, to)
     for path in to.glob("step*"):
-        if int(path.name.removeprefix("step")) > step:
+        if path.name > step_dir(to, step).name:  # zero-padded: names sort as steps
             shutil.rmtree(path)
-    assert (to / f"step{step:08d}").is_dir(), f"{ckpt_dir} holds no checkpoint of step {step}"
-    (to / "latest_step.json").write_text(json.dumps({"step": step}))
+    assert step_dir(to, step).is_dir(), f"{ckpt_dir} holds no checkpoint of step {step}"
+    (to / LATEST_MARKER).write_text(json.dumps({"step": step}))
     return to
 
 
