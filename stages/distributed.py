@@ -8,6 +8,7 @@ runs under `deepspeed --module stages.<name>` or torchrun without Ray.
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import os
 import socket
@@ -99,17 +100,31 @@ class RankWorker:
         torch.distributed otherwise (a frozen model need not pay DeepSpeed's import)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            return
         backend = "nccl" if self.device == "cuda" else "gloo"
         if not deepspeed:
-            dist.init_process_group(backend)
+            if not dist.is_initialized():
+                dist.init_process_group(backend)
             return
         import deepspeed as ds
 
         if self.device == "cpu":
             skip_deepspeed_shm_comm()
+        # Joins the group another role of this process (RankHost) already made, if one did.
         ds.init_distributed(dist_backend=backend)
+
+
+class RankHost(RankWorker):
+    """One rank process that hosts several roles of equal ranks sharing a placement (e.g. the actor and its
+    reference under --colocate_actor_ref): one interpreter, one set of imports, one torch.distributed group and one
+    CUDA context instead of one of each per role, and the roles' calls run one at a time, as colocated models
+    take turns. `call(role, method, ...)` runs a method of one of them."""
+
+    def __init__(self, rank: int, world_size: int, device: str, threads: int, role_classes: dict[str, type]):
+        super().__init__(rank, world_size, device, threads)
+        self.roles = {role: cls(rank, world_size, device, threads) for role, cls in role_classes.items()}
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.roles[role], method)(*args, **kwargs)
 
 
 def skip_deepspeed_shm_comm() -> None:
@@ -174,11 +189,14 @@ def make_placement(num_ranks: int, device: str, *, num_cpus: float = 1.0, num_gp
 
 
 class ActorGroup:
-    """`num_ranks` instances of a RankWorker subclass, rank i on bundle i; calls are dispatched to all ranks."""
+    """`num_ranks` instances of a RankWorker subclass, rank i on bundle i; calls are dispatched to all ranks.
+
+    A group of a role hosted with others (`hosted`) dispatches to that role inside each rank's RankHost."""
 
     def __init__(self, worker_cls: type, num_ranks: int, device: str, *, placement: Placement | None = None,
-                 name: str = "group", threads: int = 1):
+                 name: str = "group", threads: int = 1, host_args: tuple = ()):
         self.name = name
+        self.role: str | None = None  # set on the groups `hosted` returns
         self.placement = placement or make_placement(num_ranks, device)
         env_vars = cpu_rank_env(threads) if device == "cpu" else {}
         remote_cls = ray.remote(worker_cls)
@@ -192,8 +210,24 @@ class ActorGroup:
                 ),
                 runtime_env={"env_vars": env_vars},
             )
-            self.actors.append(remote_cls.options(**options).remote(rank, num_ranks, device, threads))
+            self.actors.append(remote_cls.options(**options).remote(rank, num_ranks, device, threads, *host_args))
         self._joined = self.actors[0].master_endpoint.remote()
+
+    @classmethod
+    def hosted(cls, role_classes: dict[str, type], num_ranks: int, device: str, *, placement: Placement,
+               threads: int = 1) -> dict[str, ActorGroup]:
+        """One RankHost per rank holding every role of `role_classes` (taking the placement's share of each);
+        role -> a group of that role, all of them on the same rank processes."""
+        shared = Placement(placement.group, num_cpus=placement.num_cpus * len(role_classes),
+                           num_gpus=placement.num_gpus * len(role_classes), owned=placement.owned)
+        hosts = cls(RankHost, num_ranks, device, placement=shared, name="+".join(role_classes), threads=threads,
+                    host_args=(role_classes,))
+        groups = {}
+        for role in role_classes:
+            group = copy.copy(hosts)
+            group.name, group.role = role, role
+            groups[role] = group
+        return groups
 
     def rendezvous(self) -> list[ray.ObjectRef]:
         """Give every rank the address rank 0 hosts the rendezvous at (on its own node, which need not be the
@@ -204,12 +238,19 @@ class ActorGroup:
     def world_size(self) -> int:
         return len(self.actors)
 
+    def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Call `method` on one rank."""
+        actor = self.actors[rank]
+        if self.role is None:
+            return getattr(actor, method).remote(*args, **kwargs)
+        return actor.call.remote(self.role, method, *args, **kwargs)
+
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank with the same arguments and wait for all results (rank order)."""
         return ray.get(self.run_async(method, *args, **kwargs))
 
     def run_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
-        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        return [self.on_rank(rank, method, *args, **kwargs) for rank in range(self.world_size)]
 
     def run_sharded(self, method: str, shards: list[Any], **kwargs: Any) -> list[Any]:
         """Call `method` on rank i with shards[i]."""
@@ -217,7 +258,7 @@ class ActorGroup:
 
     def run_sharded_async(self, method: str, shards: list[Any], **kwargs: Any) -> list[ray.ObjectRef]:
         assert len(shards) == self.world_size, f"{self.name}: {len(shards)} shards for {self.world_size} ranks"
-        return [getattr(a, method).remote(s, **kwargs) for a, s in zip(self.actors, shards)]
+        return [self.on_rank(rank, method, shard, **kwargs) for rank, shard in enumerate(shards)]
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -37,6 +37,17 @@ def placement_plan(cfg) -> dict[str, list[str]]:
     return plan
 
 
+def rank_processes(cfg, roles: list[str]) -> list[list[str]]:
+    """The models of one placement group by the rank processes that hold them. Colocated models (of equal ranks,
+    which the colocation flags require) share one process per rank (a RankHost: one interpreter, one CUDA
+    context, their calls one at a time, as colocated models take turns anyway). Not with --async_train: rollouts
+    are scored on another thread while the models train, and calls from two threads could reach a shared
+    process's ranks in different orders, each rank then waiting in another model's collective."""
+    if cfg.async_train or not roles:
+        return [[role] for role in roles]
+    return [roles]
+
+
 def models_take_turns(cfg, device: str) -> bool:
     """Whether the RL models run one after another rather than side by side: on CPU every model shares the same
     cores (each gets all of them in its turn); with --colocate_all_models every model shares the same GPUs, so

@@ -19,7 +19,7 @@ from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.errors import StageInputError
 from stages.placement import (ENGINES, bundle_resources, describe, engine_bundles, group_bundles, models_take_turns,
-                              placement_plan)
+                              placement_plan, rank_processes)
 from stages.sequences import balanced_partitions, first_fit_count, select_rows
 
 
@@ -581,16 +581,19 @@ class Roles:
             ray.get(group.ready())
             self.placement_groups.append(group)
             share = 1.0 / len(members)
-            for role in members:
-                fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
-                if role == ENGINES:
-                    engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles(cfg))),
-                                          **fraction)
+            fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
+            if ENGINES in members:
+                engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles(cfg))),
+                                      **fraction)
+            for hosted in rank_processes(cfg, [role for role in members if role != ENGINES]):
+                role = hosted[0]
+                per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
+                options = dict(placement=Placement(group, **fraction), threads=cpu_threads(per_node + beside_models))
+                if len(hosted) == 1:
+                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role, **options)
                 else:
-                    per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
-                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role,
-                                                   placement=Placement(group, **fraction),
-                                                   threads=cpu_threads(per_node + beside_models))
+                    self.groups.update(ActorGroup.hosted({r: ROLE_WORKERS[r] for r in hosted}, ranks[role], device,
+                                                         **options))
         self.engines = create_rollout_engines(
             cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
             tensor_parallel_size=cfg.vllm_tensor_parallel_size,
@@ -611,12 +614,12 @@ class Roles:
         for `optimizer_steps`, wait for the rollout engines; seconds of the waits."""
         seconds = {}
         started = time.perf_counter()
+        # Each rank builds its engine as soon as its model is loaded (its calls run in the order they are made).
+        built = [ref for role in ("actor", "critic") if role in self.groups
+                 for ref in self.groups[role].run_async("build", optimizer_steps)]
         ray.get(self._joined)
         seconds["processes"] = time.perf_counter() - started
-        ray.get(self._loaded)
-        ray.get([ref for role in ("actor", "critic") if role in self.groups
-                 for ref in self.groups[role].run_async("build", optimizer_steps)]
-                + [engine.__ray_ready__.remote() for engine in self.engines])
+        ray.get(self._loaded + built + [engine.__ray_ready__.remote() for engine in self.engines])
         seconds["models_and_engines"] = time.perf_counter() - started - seconds["processes"]
         return seconds
 
@@ -641,11 +644,10 @@ class Roles:
             backend = "gloo"
 
         self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
-        rank0 = self.actor.actors[0]
         tp = self.cfg.vllm_tensor_parallel_size
         world = 1 + len(self.engines) * tp
-        addr, port = ray.get(rank0.weight_sync_endpoint.remote(world))
-        ray.get([rank0.open_weight_sync.remote(addr, port, world, backend)]
+        addr, port = ray.get(self.actor.on_rank(0, "weight_sync_endpoint", world))
+        ray.get([self.actor.on_rank(0, "open_weight_sync", addr, port, world, backend)]
                 + [engine.init_weight_sync.remote(addr, port, 1 + i * tp, world, backend)
                    for i, engine in enumerate(self.engines)])
         return bucket_bytes_total(self.buckets)

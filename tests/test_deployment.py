@@ -511,7 +511,7 @@ def test_ray_head_killed_a_clear_failure_then_the_cli_retry_resumes(operated_run
 def test_every_socket_of_the_run_listens_on_loopback_only(operated_run):
     sockets = operated_run["sockets"]
     programs = " ".join(sockets.values())
-    for part in ("prefect", "gcs_server", "raylet", "ray::SFTWorker", "ray::PolicyWorker", "ray::VLLMEngine"):
+    for part in ("prefect", "gcs_server", "raylet", "ray::SFTWorker", "ray::RankHost", "ray::VLLMEngine"):
         assert part in programs, f"the audit saw nothing of {part}: {sorted(set(sockets.values()))}"
     exposed = {key: program for key, program in sockets.items() if not is_loopback(key[1])}
     assert exposed == {}

@@ -16,7 +16,7 @@ from stages.cli import parse_stage_args
 from stages.config import RLConfig
 from pipeline.rehearsal import StandIns, rehearse_stage
 from stages.rl import PromptStream, drift_warnings
-from stages.placement import models_take_turns, placement_plan
+from stages.placement import models_take_turns, placement_plan, rank_processes
 from stages.roles import ending_with_eos, reward_normalization
 from stages.rollout_queue import RolloutQueue
 from stages.tiny import build_tiny_datasets
@@ -150,6 +150,16 @@ def test_drift_guards_name_what_drifts():
 )
 def test_placement_plans_follow_the_colocation_flags(flags, plan):
     assert placement_plan(rl_config(*flags)) == plan
+
+
+def test_colocated_models_of_equal_ranks_share_their_rank_processes():
+    """One process per rank holds the models that share a placement group; with --async_train (rollouts scored on
+    another thread) each model gets processes of its own."""
+    shared = ["actor", "critic", "ref", "reward"]
+    assert rank_processes(rl_config("--advantage_estimator", "gae"), shared) == [shared]
+    assert rank_processes(rl_config("--no_colocate_all_models"), ["reward"]) == [["reward"]]
+    asynchronous = rl_config("--no_colocate_all_models", "--colocate_actor_ref", "--async_train")
+    assert rank_processes(asynchronous, ["actor", "ref"]) == [["actor"], ["ref"]]
 
 
 def test_models_on_shared_gpus_take_turns():
