@@ -227,7 +227,7 @@ class LocalRayHead:
         return env
 
     def start(self) -> str:
-        """Start the head and wait until its Jobs API answers; returns the Jobs API address."""
+        """Start the head and wait until it is `ready`; returns the Jobs API address."""
         self._temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_PARENT)
         self._log_path = Path(self._temp_dir) / "ray-start.log"
         dashboard_port, gcs_port = free_port(self.bind_host), free_port(self.bind_host)
@@ -240,7 +240,7 @@ class LocalRayHead:
         client_host = "127.0.0.1" if self.listens_everywhere else self.bind_host
         address = f"http://{_url_host(client_host)}:{dashboard_port}"
         deadline = time.monotonic() + self.startup_timeout_s
-        while not _jobs_api_ready(address):
+        while not self.ready(address):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 log_tail = self._log_path.read_text(errors="replace")[-3000:]
                 self.stop()
@@ -249,6 +249,10 @@ class LocalRayHead:
         self.address = address
         self.gcs_address = f"{_url_host(client_host)}:{gcs_port}"
         return address
+
+    def ready(self, address: str) -> bool:
+        """Whether the starting head serves what its users need: the Jobs API at `address`."""
+        return _jobs_api_ready(address)
 
     @classmethod
     def adopt(cls, record: HeadRecord) -> LocalRayHead:

@@ -6,14 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from infra.ray_cluster import TEMP_PARENT, TEMP_PREFIX, LocalRayHead, free_port
+from infra.ray_cluster import LocalRayHead
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 900
@@ -47,22 +45,12 @@ class DriversOnlyRayHead(LocalRayHead):
         return [part for part in super().command(dashboard_port, gcs_port)
                 if not part.startswith(dashboard_flags)] + ["--include-dashboard=false"]
 
+    def ready(self, address: str) -> bool:
+        return "will now block forever" in self._log_path.read_text(errors="replace")  # every process is up
+
     def start(self) -> str:
-        self._temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_PARENT)
-        self._log_path = Path(self._temp_dir) / "ray-start.log"
-        gcs_port = free_port(self.bind_host)
-        with open(self._log_path, "wb") as log:
-            self._process = subprocess.Popen(self.command(0, gcs_port), env=self.environment(), stdout=log,
-                                             stderr=subprocess.STDOUT, start_new_session=True)
-        self.pid = self._process.pid
-        deadline = time.monotonic() + self.startup_timeout_s
-        while "will now block forever" not in self._log_path.read_text(errors="replace"):  # every process is up
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                tail = self._log_path.read_text(errors="replace")[-3000:]
-                self.stop()
-                raise RuntimeError(f"the test session's Ray head did not start:\n{tail}")
-            time.sleep(0.3)
-        self.gcs_address = f"{self.bind_host}:{gcs_port}"
+        super().start()
+        self.address = None  # no Jobs API: drivers join by `gcs_address`
         return self.gcs_address
 
 
