@@ -4,8 +4,9 @@ What each model holds on a GPU, by role:
 - trained (actor, critic, the supervised stages' model): weights, gradients and Adam states. With bf16 the
   weights and gradients take 2 bytes a parameter and Adam 12 (fp32 master copy, two moments); fp32 training 4, 4
   and 8. ZeRO-1 partitions the Adam states over the role's ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too;
-  --adam_offload keeps the Adam states in host memory. LoRA trains adapters only: no gradients or Adam states of
-  the base weights.
+  --adam_offload keeps the Adam states in host memory. LoRA (--lora_rank: the actor and the critic) trains adapters
+  only: no gradients or Adam states of the base weights. --load_in_4bit keeps every model's linear layers in 4-bit
+  NF4, about 0.52 bytes a parameter with its scales (embeddings and output head in bf16).
 - frozen (reference, reward model): the weights (partitioned with ZeRO-3; with --ref_reward_offload the partitions
   stay in host memory and a forward gathers one layer at a time), and a forward's activations.
 - engines (vLLM): --vllm_gpu_memory_utilization of each engine GPU, weights and KV cache together.
@@ -32,12 +33,24 @@ ACTIVATION_VALUES_PER_LAYER = 17  # ≈ 34 bytes per b·s·h in bf16, with O(s) 
 CONTEXT_GIB = 1.0  # CUDA context and allocator slack per process, said in the table
 
 
+# NF4 with double quantization: 4 bits a weight, an 8-bit scale per block of 64, an fp32 scale per 256 of those.
+NF4_BYTES = (4 + (8 + 32 / 256) / 64) / 8
+
+
 @dataclass(frozen=True)
 class ModelShape:
     params: int
     hidden: int
     layers: int
     vocab: int
+    embeddings: int = 0  # of `params`: the input embeddings and an untied output head (never quantized)
+
+    def weight_bytes(self, bf16: bool, load_in_4bit: bool = False) -> float:
+        """Bytes of the weights: 2 (bf16) or 4 a parameter; with --load_in_4bit the linear layers in NF4."""
+        value_bytes = 2 if bf16 else 4
+        if not load_in_4bit:
+            return self.params * value_bytes
+        return (self.params - self.embeddings) * NF4_BYTES + self.embeddings * value_bytes
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
@@ -54,7 +67,8 @@ class ModelShape:
         attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
         per_layer = attention + mlp + 2 * h
         head = 0 if config.get("tie_word_embeddings", False) else vocab * h
-        return cls(params=vocab * h + layers * per_layer + h + head, hidden=h, layers=layers, vocab=vocab)
+        return cls(params=vocab * h + layers * per_layer + h + head, hidden=h, layers=layers, vocab=vocab,
+                   embeddings=vocab * h + head)
 
 
 @dataclass
@@ -88,11 +102,12 @@ def _logits(shape: ModelShape, tokens: int, value_bytes: int) -> float:
 
 
 def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, adam_offload: bool,
-                   lora: bool, gradient_checkpointing: bool, tokens: int, with_logits: bool) -> RoleMemory:
+                   lora: bool, gradient_checkpointing: bool, tokens: int, with_logits: bool,
+                   load_in_4bit: bool = False) -> RoleMemory:
     """What a trained model holds on one GPU, its activations over a micro-batch of `tokens` tokens."""
     n, value_bytes = shape.params, 2 if bf16 else 4
     memory = RoleMemory(role)
-    memory.weights = n * value_bytes / (ranks if zero_stage == 3 else 1)
+    memory.weights = shape.weight_bytes(bf16, load_in_4bit) / (ranks if zero_stage == 3 else 1)
     if not lora:
         memory.gradients = n * value_bytes / (ranks if zero_stage >= 2 else 1)
         memory.optimizer = 0.0 if adam_offload else n * (12 if bf16 else 8) / (ranks if zero_stage >= 1 else 1)
@@ -104,12 +119,13 @@ def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int,
 
 
 def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, bf16: bool, tokens: int,
-                  with_logits: bool, offloaded: bool = False) -> RoleMemory:
+                  with_logits: bool, offloaded: bool = False, load_in_4bit: bool = False) -> RoleMemory:
     """What a frozen model holds on one GPU, a forward over `tokens` tokens at a time. Offloaded (ZeRO-3 partitions
     in host memory: --ref_reward_offload) it holds one layer's gathered weights at a time."""
     value_bytes = 2 if bf16 else 4
-    resident = shape.params / shape.layers if offloaded else shape.params / (ranks if zero_stage == 3 else 1)
-    memory = RoleMemory(role, weights=resident * value_bytes)
+    weights = shape.weight_bytes(bf16, load_in_4bit)
+    memory = RoleMemory(role, weights=weights / shape.layers if offloaded
+                        else weights / (ranks if zero_stage == 3 else 1))
     # A forward keeps one layer's activations at a time, plus the logits it reads log-probs from.
     memory.activations = (_layer_activations(shape, tokens, value_bytes)
                           + (_logits(shape, tokens, value_bytes) if with_logits else 0))
@@ -124,13 +140,13 @@ def rl_memory(cfg, shapes: dict[str, ModelShape], gpu_bytes: float) -> list[tupl
     train_tokens = cfg.train_token_budget or cfg.micro_train_batch_size * seq_len
     rollout_tokens = cfg.rollout_token_budget or cfg.micro_rollout_batch_size * seq_len
     ranks = cfg.role_ranks()
-    common = {"zero_stage": cfg.zero_stage, "bf16": cfg.bf16}
+    common = {"zero_stage": cfg.zero_stage, "bf16": cfg.bf16, "load_in_4bit": cfg.load_in_4bit}
     roles: dict[str, RoleMemory] = {}
     for role in ("actor", "critic"):
         if role in ranks and role in shapes:
             roles[role] = trained_memory(
                 role, shapes[role], ranks=ranks[role], adam_offload=cfg.adam_offload,
-                lora=cfg.lora_rank > 0 and role == "actor", gradient_checkpointing=cfg.gradient_checkpointing,
+                lora=cfg.lora_rank > 0, gradient_checkpointing=cfg.gradient_checkpointing,
                 tokens=train_tokens, with_logits=role == "actor", **common)
     for role in ("ref", "reward"):
         if role in ranks and role in shapes:

@@ -240,6 +240,10 @@ class TrainingConfig(StageConfig):
         "but the output head)",
     )
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the input of the LoRA adapters")
+    load_in_4bit: bool = Field(
+        False, description="QLoRA: load every model of the stage with 4-bit NF4 weights (bitsandbytes: double "
+        "quantization, bfloat16 compute) and train LoRA adapters on them; needs --lora_rank, --bf16 and ZeRO 0-2",
+    )
 
     def train_world_sizes(self) -> dict[str, int]:
         """Data-parallel ranks of each trained model, keyed by the flags that set them."""
@@ -275,6 +279,16 @@ class TrainingConfig(StageConfig):
                 problems.append(f"{', '.join(unused)}: configures LoRA adapters, which are off; set --lora_rank > 0")
         elif not self.target_modules:
             problems.append("--target_modules is empty: name the modules that get LoRA adapters, or all-linear")
+        if self.load_in_4bit:
+            if self.lora_rank == 0:
+                problems.append("--load_in_4bit: 4-bit weights cannot be trained; train LoRA adapters on them with "
+                                "--lora_rank > 0")
+            if not self.bf16:
+                problems.append("--load_in_4bit computes in bfloat16 (as in OpenRLHF): add --bf16")
+            if self.zero_stage == 3:
+                problems.append("--load_in_4bit with --zero_stage 3: ZeRO-3 would partition the packed 4-bit weights "
+                                "apart from their quantization state; use --zero_stage 2 (LoRA's optimizer states "
+                                "are small)")
         for ranks_flags, ranks in self.train_world_sizes().items():
             if getattr(self, "use_dynamic_batch", False):  # micro-batches by tokens: each rank an equal share
                 if self.train_batch_size % ranks:

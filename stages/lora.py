@@ -11,7 +11,8 @@ weights under HF names:
     for name, weight in lora.merged_named_weights(engine):   # every rank of the model iterates (ZeRO-3 gathers)
         ...
 
-`merged_named_weights` also serves models without LoRA (plain HF names and weights), so callers need no branch.
+`merged_named_weights` also serves models without LoRA (plain HF names and weights), so callers need no branch, and
+models on 4-bit weights (--load_in_4bit, QLoRA): their base weights come dequantized, in the compute dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +40,31 @@ def wrap(model, cfg, *, value_model: bool):
         r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
         bias="none", task_type=TaskType.SEQ_CLS if value_model else TaskType.CAUSAL_LM,
     )
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if getattr(cfg, "load_in_4bit", False):
+        cast_for_4bit(model)
+    return model
+
+
+def cast_for_4bit(model) -> None:
+    """Adapters on 4-bit weights in bfloat16, the compute dtype of those layers and the dtype of every other weight
+    (PEFT makes adapters float32): the dtypes a bf16 DeepSpeed engine holds OpenRLHF's QLoRA model in."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.lora_A.to(torch.bfloat16)
+            module.lora_B.to(torch.bfloat16)
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight's full values: a 4-bit one (--load_in_4bit, bitsandbytes) dequantized to its compute dtype."""
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is None:
+        return weight
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(weight.data, quant_state)
 
 
 def _unwrap(model):
@@ -85,12 +110,13 @@ def merged_named_weights(model, device: torch.device | str = "cpu") -> Iterator[
             done.append(prefix)
             base = module.get_base_layer()
             with _gathered(list(module.parameters())), torch.no_grad():
-                weight = base.weight.float()
+                base_weight = full_weight(base.weight)
+                weight = base_weight.float()
                 if not module.merged:
                     for adapter in module.active_adapters:
                         if adapter in module.lora_A:
                             weight = weight + module.get_delta_weight(adapter).float()
-                yield name_of("weight"), weight.to(base.weight.dtype).to(device, copy=True)
+                yield name_of("weight"), weight.to(base_weight.dtype).to(device, copy=True)
                 if base.bias is not None:
                     yield name_of("bias"), base.bias.detach().to(device, copy=True)
         elif isinstance(module, ModulesToSaveWrapper):
@@ -103,9 +129,9 @@ def merged_named_weights(model, device: torch.device | str = "cpu") -> Iterator[
             entries = {key: p for key, p in module.named_parameters(recurse=False)}
             entries |= {key: b for key, b in module.named_buffers(recurse=False)
                         if key not in module._non_persistent_buffers_set}
-            with _gathered([p for p in entries.values() if isinstance(p, torch.nn.Parameter)]):
+            with _gathered([p for p in entries.values() if isinstance(p, torch.nn.Parameter)]), torch.no_grad():
                 for key, tensor in entries.items():
-                    yield name_of(key), tensor.detach().to(device, copy=True)
+                    yield name_of(key), full_weight(tensor).detach().to(device, copy=True)
 
 
 def adapter_state(model) -> dict[str, torch.Tensor]:

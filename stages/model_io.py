@@ -12,6 +12,7 @@ transformers is imported by the functions that load models: resolving a path cos
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -201,6 +202,15 @@ def load_tokenizer(path: str | os.PathLike, padding_side: str = "right") -> PreT
     return tokenizer
 
 
+def loading_options(cfg, device: str) -> dict:
+    """How a stage loads its models (keyword arguments of load_causal_lm and load_value_model): the dtype of --bf16,
+    the attention of --flash_attn and, for a training stage, --load_in_4bit (OpenRLHF applies it to every model of
+    the stage: the trained one, the reference, the reward model, the critic)."""
+    return dict(dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+                attn_implementation=attn_implementation(cfg, device),
+                load_in_4bit=getattr(cfg, "load_in_4bit", False))
+
+
 def attn_implementation(cfg, device: str) -> str | None:
     """FlashAttention-2 with --flash_attn on CUDA; transformers' default (sdpa) otherwise. On CPU the flag cannot act
     (the stage says so once, stages/fields.py). Without the flash-attn package the stage stops before loading."""
@@ -215,20 +225,43 @@ def attn_implementation(cfg, device: str) -> str | None:
     return "flash_attention_2"
 
 
+def quantization(load_in_4bit: bool):
+    """--load_in_4bit: OpenRLHF's QLoRA weights (4-bit NF4, double quantization, bfloat16 compute); None without it."""
+    if not load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
 def load_causal_lm(
-    path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+    load_in_4bit: bool = False,
 ) -> PreTrainedModel:
-    """AutoModelForCausalLM from a hub name, directory or URI."""
+    """AutoModelForCausalLM from a hub name, directory or URI (its linear layers in 4 bits with `load_in_4bit`)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(path), dtype=dtype, attn_implementation=attn_implementation
-    )
+    return keep_4bit_layout(AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(path), dtype=dtype, attn_implementation=attn_implementation,
+        quantization_config=quantization(load_in_4bit),
+    ))
+
+
+def keep_4bit_layout(model: PreTrainedModel) -> PreTrainedModel:
+    """Keep 4-bit layers in bitsandbytes' standard layout. On a CPU with AVX512-BF16, bitsandbytes repacks a layer's
+    weights for inference at its first no-grad forward (a reference pass, an evaluation); a training backward through
+    a repacked layer then gives its input no gradient (the adapters below it learn from a wrong one, silently), and
+    its weights no longer dequantize (merged outputs and weight syncs would be garbage)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def load_value_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None, *,
-    value_head_prefix: str = "score", trained_head: bool = False,
+    value_head_prefix: str = "score", trained_head: bool = False, load_in_4bit: bool = False,
 ) -> PreTrainedModel:
     """Scalar-head model (reward model or critic): AutoModelForSequenceClassification with num_labels=1.
 
@@ -242,7 +275,8 @@ def load_value_model(
 
     local = resolve_model_path(path)
     model, loading = AutoModelForSequenceClassification.from_pretrained(
-        local, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+        local, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True,
+        quantization_config=quantization(load_in_4bit),
     )
     missing = sorted(loading["missing_keys"])
     if missing:
@@ -250,7 +284,7 @@ def load_value_model(
         _load_head_under(model, local, missing, prefix, sorted(loading["unexpected_keys"]), path, trained_head)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = load_tokenizer(local).pad_token_id
-    return model
+    return keep_4bit_layout(model)
 
 
 def _load_head_under(model, local: str, missing: list[str], prefix: str, unexpected: list[str], path,
@@ -302,6 +336,14 @@ def save_hf(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if getattr(model.config, "quantization_config", None) is not None:
+        # 4-bit weights (--load_in_4bit) are written as the full ones in `state_dict` (merged, dequantized), through
+        # a weightless twin without quantization: saving the quantized model writes its own weights.
+        assert state_dict is not None, "a quantized model is saved from its full weights"
+        config = copy.deepcopy(model.config)
+        del config.quantization_config
+        with torch.device("meta"):
+            model = type(model)(config).to(next(w.dtype for w in state_dict.values() if w.is_floating_point()))
     model.save_pretrained(out, state_dict=state_dict)
     tokenizer.save_pretrained(out)
     if extra_config:

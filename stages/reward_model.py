@@ -62,12 +62,10 @@ class RewardModelWorker(StepTrainer):
     value_model = True
 
     def load_train_model(self, ds_config):
-        from stages.model_io import attn_implementation, load_value_model
+        from stages.model_io import load_value_model, loading_options
 
-        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = attn_implementation(self.cfg, self.device)
-        model = load_for_zero(lambda: load_value_model(self.model_path, dtype=dtype, attn_implementation=attn),
-                              ds_config)
+        options = loading_options(self.cfg, self.device)
+        model = load_for_zero(lambda: load_value_model(self.model_path, **options), ds_config)
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 

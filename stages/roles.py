@@ -52,10 +52,11 @@ class TokenValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        base = getattr(self.model, self.model.base_model_prefix)
+        model = lora.hf_model(self.model)  # with --lora_rank its layers hold the adapters, its head the trained copy
+        base = getattr(model, model.base_model_prefix)
         hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       use_cache=False).last_hidden_state
-        values = self.model.score(hidden).squeeze(-1).float()
+        values = model.score(hidden).squeeze(-1).float()
         if self.normalization is not None:
             mean, std = self.normalization
             values = (values - mean) / std
@@ -127,7 +128,7 @@ class PolicyWorker(TrainedRole):
         return self.cfg.actor_learning_rate
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import attn_implementation, load_causal_lm, resolve_model_path
+        from stages.model_io import load_causal_lm, loading_options, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
@@ -135,9 +136,7 @@ class PolicyWorker(TrainedRole):
         self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
                                              micro_batch_size=cfg.micro_train_batch_size)
         path = resolve_model_path(cfg.pretrain)
-        model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
-                                                        attn_implementation=attn_implementation(cfg, self.device)),
-                                 self.ds_config)
+        model = ds.load_for_zero(lambda: load_causal_lm(path, **loading_options(cfg, self.device)), self.ds_config)
         moe.check_router(model, cfg.aux_loss_coef, cfg.pretrain)
         self.model = lora.wrap(model, cfg, value_model=False)
         # Tied parameters travel once; the engines copy them to their other names.
@@ -322,7 +321,7 @@ class CriticWorker(TrainedRole):
         return self.cfg.critic_learning_rate
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import attn_implementation, load_value_model, resolve_model_path
+        from stages.model_io import load_value_model, loading_options, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
@@ -331,11 +330,12 @@ class CriticWorker(TrainedRole):
                                              micro_batch_size=cfg.micro_train_batch_size)
         path = resolve_model_path(cfg.critic_init)
         model = ds.load_for_zero(
-            lambda: load_value_model(path, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix,
-                                     attn_implementation=attn_implementation(cfg, self.device)), self.ds_config)
+            lambda: load_value_model(path, value_head_prefix=cfg.value_head_prefix,
+                                     **loading_options(cfg, self.device)), self.ds_config)
         moe.check_router(model, cfg.aux_loss_coef, cfg.critic_init)
         normalization = reward_normalization(model.config) if cfg.normalize_reward else None
-        self.model = TokenValueModel(model, normalization)
+        # --lora_rank adapts the critic too (as in OpenRLHF), its value head trained whole.
+        self.model = TokenValueModel(lora.wrap(model, cfg, value_model=True), normalization)
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -378,7 +378,7 @@ class ReferenceWorker(RankWorker):
     """One rank of the frozen reference model."""
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import attn_implementation, load_causal_lm, resolve_model_path
+        from stages.model_io import load_causal_lm, loading_options, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group(deepspeed=cfg.zero_stage == 3)  # DeepSpeed only to shard it
@@ -386,9 +386,7 @@ class ReferenceWorker(RankWorker):
                                         micro_batch_size=cfg.micro_train_batch_size, train=False,
                                         offload_params=cfg.ref_reward_offload and self.device == "cuda")
         path = resolve_model_path(cfg.ref_pretrain or cfg.pretrain)
-        model = ds.load_for_zero(lambda: load_causal_lm(path, dtype=_dtype(cfg),
-                                                        attn_implementation=attn_implementation(cfg, self.device)),
-                                 ds_config)
+        model = ds.load_for_zero(lambda: load_causal_lm(path, **loading_options(cfg, self.device)), ds_config)
         self.model = ds.build_inference_engine(model, ds_config, self.device)
 
     @torch.no_grad()
@@ -401,7 +399,7 @@ class RewardModelWorker(RankWorker):
     policy's tokenizer, as a reward model trained from the SFT checkpoint does."""
 
     def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import attn_implementation, load_tokenizer, load_value_model, resolve_model_path
+        from stages.model_io import load_tokenizer, load_value_model, loading_options, resolve_model_path
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         # Sharded with ZeRO-3 as the reference is (the RL stage's --zero_stage), a whole copy on every rank else.
@@ -412,8 +410,8 @@ class RewardModelWorker(RankWorker):
             cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
             micro_batch_size=cfg.micro_train_batch_size, train=False,
             offload_params=cfg.ref_reward_offload and self.device == "cuda") if sharded else None
-        load = lambda: load_value_model(local, dtype=_dtype(cfg), value_head_prefix=cfg.value_head_prefix,  # noqa: E731
-                                        attn_implementation=attn_implementation(cfg, self.device), trained_head=True)
+        load = lambda: load_value_model(local, value_head_prefix=cfg.value_head_prefix, trained_head=True,  # noqa: E731
+                                        **loading_options(cfg, self.device))
         model = ds.load_for_zero(load, ds_config) if sharded else load()
         self.config = model.config
         self.model = ds.build_inference_engine(model, ds_config, self.device) if sharded else model.eval().to(self.device)

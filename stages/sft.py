@@ -49,11 +49,10 @@ class SFTWorker(StepTrainer):
     stage = "sft"
 
     def load_train_model(self, ds_config):
-        from stages.model_io import attn_implementation, load_causal_lm
+        from stages.model_io import load_causal_lm, loading_options
 
-        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = attn_implementation(self.cfg, self.device)
-        return load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn), ds_config)
+        options = loading_options(self.cfg, self.device)
+        return load_for_zero(lambda: load_causal_lm(self.model_path, **options), ds_config)
 
     def build_examples(self, rows) -> list[dict]:
         return build_examples(self.cfg, self.tokenizer, rows)

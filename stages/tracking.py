@@ -52,7 +52,7 @@ class PhaseTimer:
         return taken
 
 
-# Third-party log lines that repeat every step and say nothing about this run, by logger.
+# Third-party log lines that repeat (every step, or in every process) and say nothing about this run, by logger.
 REPEATED_NOISE = {
     # A weight update reloads every layer; rotary embeddings hold no weights and warn each time.
     "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
@@ -60,6 +60,9 @@ REPEATED_NOISE = {
     "vllm.v1.worker.cpu_worker": "doesn't allow to use `torch.set_num_threads`",
     # On CPU chunked prefill is off on purpose (stages.rollout.whole_prompt_prefill); vLLM warns that it is.
     "vllm.engine.arg_utils": "does not officially support disabling chunked prefill",
+    # --load_in_4bit on CPU: bitsandbytes looks for an optional package of faster kernels in every process and
+    # runs its own without it.
+    "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
 }
 
 

@@ -218,19 +218,16 @@ class ReferenceStepTrainer(StepTrainer):
     inference engine, `--ref_pretrain` or else the starting model."""
 
     def load_train_model(self, ds_config):
-        from stages.model_io import attn_implementation, load_causal_lm, resolve_model_path
+        from stages.model_io import load_causal_lm, loading_options, resolve_model_path
 
-        dtype = torch.bfloat16 if self.cfg.bf16 else torch.float32
-        attn = attn_implementation(self.cfg, self.device)
-        policy = ds.load_for_zero(lambda: load_causal_lm(self.model_path, dtype=dtype, attn_implementation=attn),
-                                  ds_config)
+        options = loading_options(self.cfg, self.device)
+        policy = ds.load_for_zero(lambda: load_causal_lm(self.model_path, **options), ds_config)
         ref_path = resolve_model_path(self.cfg.ref_pretrain or self.cfg.pretrain)
         ref_config = ds.deepspeed_config(self.cfg, world_size=self.world_size,
                                          train_batch_size=self.cfg.train_batch_size,
                                          micro_batch_size=self.cfg.micro_train_batch_size, train=False,
                                          offload_params=getattr(self.cfg, "ref_offload", False) and self.device == "cuda")
-        reference = ds.load_for_zero(lambda: load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn),
-                                     ref_config)
+        reference = ds.load_for_zero(lambda: load_causal_lm(ref_path, **options), ref_config)
         self.reference = ds.build_inference_engine(reference, ref_config, self.device)
         return policy
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from stages import engine, lora, packing
 from stages.cli import parse_stage_args
-from stages.model_io import load_tokenizer
+from stages.model_io import load_causal_lm, load_tokenizer, load_value_model
 from stages.tiny import build_tiny_model
 
 SEQUENCES = [[2, 40, 41, 42, 43, 3], [2, 50, 51, 3]]
@@ -85,3 +85,65 @@ def test_export_writes_merged_model_and_adapter_that_load_in_transformers(model_
     with_adapter = PeftModel.from_pretrained(load(model_dir, value_model), tmp_path / lora.ADAPTER_DIR)
     assert outputs(with_adapter, value_model).sub(expected).abs().max() < 1e-5
     assert (tmp_path / lora.ADAPTER_DIR / "adapter_config.json").is_file()
+
+
+def adapter_gradients(model, value_model: bool) -> dict[str, torch.Tensor]:
+    """Gradients of the trained parameters from one forward and backward of SEQUENCES."""
+    model.zero_grad()
+    ids = torch.tensor([SEQUENCES[0]])
+    out = model(input_ids=ids)
+    (out.logits.float().square().mean()).backward()
+    gradients = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return gradients
+
+
+@pytest.mark.parametrize("value_model", [False, True])
+def test_4bit_weights_merge_dequantized_and_export_as_a_full_model(model_dir, value_model, tmp_path, one_rank):
+    """--load_in_4bit (QLoRA): linear layers load as 4-bit NF4 (bitsandbytes), adapters train on top in bfloat16.
+    The merged weights engines and outputs get are the dequantized base plus the adapter delta, under the full
+    model's names and shapes; the output loads as a plain bfloat16 model that computes what the 4-bit one did."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    flags = ["--config", "tiny", "--lora_rank", "4", "--lora_alpha", "8", "--load_in_4bit", "--bf16"]
+    cfg = parse_stage_args("sft", flags, require_inputs=False)
+    loader = load_value_model if value_model else load_causal_lm
+    quantized = loader(model_dir, dtype=torch.bfloat16, load_in_4bit=True)
+    q_proj = quantized.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == torch.uint8 and q_proj.weight.quant_state.quant_type == "nf4"
+    torch.manual_seed(0)
+    model = lora.wrap(quantized, cfg, value_model=value_model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    assert all(p.dtype == torch.bfloat16 for name, p in model.named_parameters() if "lora_" in name)
+    # A no-grad evaluation forward (a reference pass) leaves the 4-bit layers as they were: the adapters' gradients
+    # and the merged weights after it are the ones before it.
+    before = adapter_gradients(model, value_model)
+    model.eval()
+    outputs(model, value_model)
+    model.train()
+    after = adapter_gradients(model, value_model)
+    for name, gradient in before.items():
+        torch.testing.assert_close(after[name], gradient, msg=name)
+
+    merged = dict(lora.merged_named_weights(model))
+    full = load(model_dir, value_model).state_dict()
+    assert {name: w.shape for name, w in merged.items()} == {name: w.shape for name, w in full.items()}
+    layer = lora.hf_model(model).model.layers[0].self_attn.q_proj
+    expected = (dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state).float()
+                + layer.get_delta_weight("default").float()).to(torch.bfloat16)
+    torch.testing.assert_close(merged["model.layers[0].self_attn.q_proj.weight".replace("[0]", ".0")], expected)
+    # Quantization moved the base weights a little from the full ones (NF4), not beyond a few percent.
+    base = dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state).float()
+    assert 0 < (base - full["model.layers.0.self_attn.q_proj.weight"]).abs().mean() < 0.1 * full[
+        "model.layers.0.self_attn.q_proj.weight"].abs().mean()
+
+    engine.export_hf(model, load_tokenizer(model_dir), tmp_path)
+    assert '"quantization_config"' not in (tmp_path / "config.json").read_text()
+    assert '"dtype": "bfloat16"' in (tmp_path / "config.json").read_text()
+    exported = load(tmp_path, value_model).to(torch.bfloat16)
+    assert exported.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    difference = outputs(exported, value_model).float().sub(outputs(model, value_model).float()).abs().max()
+    assert difference < 0.05, difference

@@ -255,6 +255,20 @@ def test_memory_of_a_trained_and_a_frozen_model_worked_numbers():
     assert fp32.activations == 10.8e6 + 8e4
 
 
+def test_4bit_weights_worked_numbers():
+    """--load_in_4bit: NF4 with double quantization is 4 + (8 + 32 / 256) / 64 = 4.127 bits a weight; Llama-3-8B's
+    6.98e9 linear and norm parameters then take 3.60e9 bytes, its 1.05e9 embedding and head parameters stay bf16
+    (2.10e9 bytes): 5.70e9 bytes instead of 16.06e9. With LoRA only the adapters have gradients and Adam states."""
+    shape = ModelShape.from_config(LLAMA3_8B)
+    assert shape.embeddings == 2 * 128_256 * 4096
+    assert shape.weight_bytes(bf16=True, load_in_4bit=True) == pytest.approx(
+        (8_030_261_248 - 1_050_673_152) * 4.127 / 8 + 1_050_673_152 * 2, rel=1e-4)
+    assert shape.weight_bytes(bf16=True, load_in_4bit=True) == pytest.approx(5.70e9, rel=1e-3)
+    qlora = trained_memory("actor", shape, ranks=8, zero_stage=2, bf16=True, adam_offload=False, lora=True,
+                           gradient_checkpointing=True, tokens=100, with_logits=True, load_in_4bit=True)
+    assert (qlora.weights, qlora.gradients, qlora.optimizer) == (shape.weight_bytes(True, True), 0.0, 0.0)
+
+
 def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest():
     """llama3-8b's RL (everything on the 8 GPUs, ZeRO-3, both sleep modes): the peak is generation, the engines'
     40 GiB plus the frozen models' weights; without the sleep modes every model's states stay resident."""

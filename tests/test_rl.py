@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from stages.cli import parse_stage_args
@@ -71,6 +72,28 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     assert metrics["reward_mean"] > metrics["reference_reward_mean"], metrics
     assert 0 < metrics["kl_mean"] < 10, metrics
     assert metrics["pass4"] >= metrics["accuracy"] - 0.05, metrics
+
+
+def test_qlora_ppo_trains_adapters_on_4bit_models_sharing_one_process(tmp_path, assets, sft_model, reward_model):
+    """--load_in_4bit (QLoRA, as OpenRLHF applies it): the actor, reference, reward model and critic load with 4-bit
+    NF4 weights, all four in one process per rank (--colocate_all_models); the actor and the critic train LoRA
+    adapters; the engine gets the merged, dequantized bf16 weights; the outputs are full bf16 models."""
+    from transformers import AutoConfig
+
+    policy, proc = rl(tmp_path, sft_model, assets, *PPO, "--reward_pretrain", reward_model, "--max_samples", 96,
+                      "--load_in_4bit", "--bf16", "--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate",
+                      "2e-3", "--critic_learning_rate", "2e-3", "--save_value_network")
+    assert "roles {'actor': 1, 'critic': 1, 'ref': 1, 'reward': 1} + 1 engine(s)" in proc.stdout
+    assert "kernels-community" not in proc.stdout + proc.stderr  # bitsandbytes' optional-kernel notice dropped
+    history = history_of(policy)
+    assert len(history) == 3 and all(math.isfinite(r["critic_loss"]) for r in history)
+    # The actor and the reference start from the same 4-bit weights; the adapters then move the actor away.
+    assert history[0]["kl"] == 0 and all(abs(r["kl"]) > 1e-4 for r in history[1:]), history
+    for output in (policy, Path(f"{policy}_critic")):
+        config = AutoConfig.from_pretrained(output)
+        assert getattr(config, "quantization_config", None) is None and config.dtype == torch.bfloat16
+        assert (output / "lora_adapter" / "adapter_config.json").is_file()
+    assert max_weight_change(sft_model, policy) > 1e-3
 
 
 def test_async_ppo_resumed_after_a_crash_repeats_the_uninterrupted_steps(tmp_path, assets, sft_model):

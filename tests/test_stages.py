@@ -151,6 +151,23 @@ def test_dpo_prefers_chosen_answers_and_answers_better(sft_model, sft_accuracy, 
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_qlora_dpo_on_4bit_policy_and_reference_answers_better(sft_model, sft_accuracy, assets, tmp_path):
+    """--load_in_4bit (QLoRA): the policy and the reference load with 4-bit NF4 weights (bitsandbytes), LoRA adapters
+    train on the policy in bfloat16, and the output is the full bfloat16 model (dequantized, merged)."""
+    out = tmp_path / "dpo"
+    run_stage("dpo", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset", assets["pref_eval"],
+              "--load_in_4bit", "--bf16", "--lora_rank", 8, "--lora_alpha", 16, "--learning_rate", "2e-3",
+              "--num_gpus_per_node", 1, "--save_path", out, "--ckpt_path", tmp_path / "ckpt")
+    metrics = metrics_of(out)
+    # Policy and reference start from the same 4-bit weights: log 2, up to bfloat16 rounding.
+    assert metrics["train_loss_first"] == pytest.approx(0.693, abs=0.01)
+    assert metrics["train_loss_last"] < 0.35 and metrics["eval_accuracy"] >= 0.9, metrics
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert (out / "lora_adapter" / "adapter_config.json").is_file()
+    assert greedy_accuracy(out, assets["prompts_eval"]) > sft_accuracy + 0.05
+
+
 def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
     out = tmp_path / "report"
     run_stage("evaluate", "--pretrain", sft_model, "--ref_pretrain", sft_model, "--remote_rm_url",
