@@ -54,21 +54,24 @@ class DriversOnlyRayHead(LocalRayHead):
         return self.gcs_address
 
 
-def stage_env(env: dict | None = None, private_ray: bool = False) -> dict:
-    """The environment of a stage process: the session's Ray head (`private_ray`: none, the stage starts its own)."""
+def stage_env(env: dict | None = None, private_ray: bool = False, ray_address: str | None = None) -> dict:
+    """The environment of a stage process: the session's Ray head (`private_ray`: none, the stage starts its own;
+    `ray_address`: the cluster at that GCS address)."""
     full_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
                 "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("RAY_ADDRESS", None)
-    if not private_ray:
+    if ray_address:
+        full_env.update(RAY_ADDRESS=ray_address)
+    elif not private_ray:
         # A driver joins a loopback-only head with the same switch the head runs with (infra/ray_cluster.py).
         full_env.update(RAY_ADDRESS=shared_ray_address(), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     return full_env
 
 
 def run_stage(stage: str, *flags, config: str = "tiny", env: dict | None = None, expect_rc: int = 0,
-              private_ray: bool = False) -> subprocess.CompletedProcess:
+              private_ray: bool = False, ray_address: str | None = None) -> subprocess.CompletedProcess:
     """`python -m stages.<stage> --config <config> <flags>` in its own process, on the session's Ray head."""
-    full_env = stage_env(env, private_ray)
+    full_env = stage_env(env, private_ray, ray_address)
     proc = subprocess.run([sys.executable, "-m", f"stages.{stage}", "--config", config, *map(str, flags)],
                           cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
     if proc.returncode != expect_rc:
