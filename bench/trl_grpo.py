@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer on the same model, prompts, reward and budget as the RL stage, for side-by-side numbers.
 
 Run by the benchmark harness in its own process (`python -m bench.trl_grpo ARGS_JSON OUT_JSON`); needs `trl`
-(the `bench` extra). Writes loop time, samples/s and the held-out greedy accuracy of the trained policy.
+(the `bench` extra). Writes loop time, samples/s, each step's mean reward and the held-out greedy accuracy of the
+trained policy.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def main(args_path: str, out_path: str) -> None:
             answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
             correct += int(reward_func(answers, [""] * len(answers), [r["label"] for r in chunk]).sum())
     result = {"loop_seconds": loop_seconds, "samples_per_s": samples_per_step * args["steps"] / loop_seconds,
-              "eval_accuracy": correct / len(held_out), "process_seconds": time.perf_counter() - started}
+              "eval_accuracy": correct / len(held_out), "process_seconds": time.perf_counter() - started,
+              "train_rewards": [row["reward"] for row in trainer.state.log_history if "reward" in row]}
     open(out_path, "w").write(json.dumps(result))
 
 

@@ -29,13 +29,35 @@ def test_quick_bench_writes_the_table_and_json(tmp_path):
     assert ours["samples_per_s"] > 0 and 0 < ours["startup_seconds"] < ours["command_seconds"]
     assert PHASES <= set(ours["phases"]), ours["phases"]
     assert all(ours["phases"][name] >= 0 for name in PHASES)
+    assert len(ours["train_rewards"]) == 2 and all(0 <= reward <= 1 for reward in ours["train_rewards"])
+    accuracy = results["rl"]["tiny"]["accuracy"]
+    assert accuracy["seeds"] == [42] and accuracy["ours"] == [ours["eval_accuracy"]]
+    assert "held-out greedy accuracy (mean of 1 seed: " in results["table"]
     assert list(results["supervised"]) == ["sft"] and results["supervised"]["sft"]["tokens_per_s"] > 0
     trl = results["rl"]["tiny"]["trl"]
     if importlib.util.find_spec("trl") is None:
         assert trl is None and "not installed" in results["table"]
     else:
-        assert trl["samples_per_s"] > 0 and "x |" in results["table"]
+        assert trl["samples_per_s"] > 0 and "x |" in results["table"] and len(trl["train_rewards"]) == 2
     assert "training loop samples/s" in proc.stdout and "tokens/s" in proc.stdout
     later = results["rl"]["tiny"]["async"]
     assert later["samples_per_s"] > 0 and later["phases"]["rollout_wait"] >= 0 and 0 < later["generation_share"]
     assert "async (queue 1)" in results["table"] and "seconds the trainer waited for rollouts" in results["table"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="compares with TRL: needs the bench extra")
+def test_one_update_on_the_same_batch_matches_trls(sft_model, assets, tmp_path):
+    """Sampling noise taken out: advantages, loss and gradient of one GRPO update on one sampled batch equal TRL's
+    own `_compute_loss`, and our DeepSpeed engine's optimizer step equals torch AdamW with clipping."""
+    out = tmp_path / "same-batch.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.same_batch", "--model", str(sft_model), "--prompts",
+                           str(assets["prompts_train"]), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    same = json.loads(out.read_text())
+    assert 0 < same["reward_mean"] < 1  # some groups have advantages: the policy term is not zero
+    assert same["advantage_max_difference"] < 1e-3  # TRL's std + 1e-4 against OpenRLHF's std + 1e-9
+    assert same["loss"]["ours"] == pytest.approx(same["loss"]["trl"], rel=1e-3)
+    assert same["gradient_norm"]["ours"] == pytest.approx(same["gradient_norm"]["trl"], rel=1e-3)
+    assert same["gradient_cosine"] > 0.9999
+    assert same["optimizer_step_max_parameter_difference"] < 1e-6
