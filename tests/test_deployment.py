@@ -190,9 +190,13 @@ def kill(victims: list[psutil.Process]) -> None:
 
 
 def kill_worker_and_flow(worker_pid: int, head_pid: int) -> list[int]:
-    """SIGKILL the worker and its flow process, not the Ray head the flow started (with its jobs) below them."""
+    """SIGKILL the worker and its flow process, not the Ray head the flow started (with its jobs) below them.
+
+    The head's tree is read after the worker's: a process the head starts in between (a rank actor of the job that
+    has just begun) is then in both and spared, where the other order would have killed it with the worker."""
+    tree = process_tree(worker_pid)
     ray = {p.pid for p in process_tree(head_pid)}
-    victims = [p for p in process_tree(worker_pid) if p.pid not in ray]
+    victims = [p for p in tree if p.pid not in ray]
     kill(victims)
     return [p.pid for p in victims]
 
