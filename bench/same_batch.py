@@ -172,7 +172,7 @@ def main() -> None:
         "advantage_max_difference": (our_adv - trl_adv).abs().max().item(),
         "loss": {"ours": our_loss, "trl": trl_loss},
         "gradient_norm": {"ours": our_grad.norm().item(), "trl": trl_grad.norm().item()},
-        "gradient_cosine": torch.nn.functional.cosine_similarity(our_grad, trl_grad, dim=0).item(),
+        "gradient_cosine": torch.nn.functional.cosine_similarity(our_grad.double(), trl_grad.double(), 0).item(),
         "optimizer_step_max_parameter_difference": step_difference,
     }
     with open(args.out, "w") as out:
