@@ -19,11 +19,11 @@ import argparse
 import copy
 import json
 import os
-import socket
 from types import SimpleNamespace
 
 import torch
 
+from infra.ray_cluster import free_port
 from stages import algorithms as algo
 from stages.roles import policy_forward
 from stages.sequences import build_sequences
@@ -121,10 +121,7 @@ def optimizer_step_difference(model, ref, prompt_ids, responses, rewards, pad_id
 
     from stages.engine import build_train_engine, deepspeed_config
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = SimpleNamespace(zero_stage=2, max_norm=1.0, bf16=False, gradient_checkpointing=False, adam_betas=(0.9, 0.95),
                           l2=0.0, lr_scheduler="constant", lr_warmup_ratio=0.0)
@@ -164,13 +161,13 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id
     # Before TRL's trainer is built: it patches the forward of the model it trains.
     step_difference = optimizer_step_difference(model, ref, prompt_ids, responses, rewards, pad_id)
-    our_adv, our_loss, our_grad = our_update(model, ref, prompt_ids, responses, rewards, pad_id)
-    trl_adv, trl_loss, trl_grad = trl_update(model, ref, tokenizer, prompt_ids, responses, rewards,
+    our_adv, our_loss_value, our_grad = our_update(model, ref, prompt_ids, responses, rewards, pad_id)
+    trl_adv, trl_loss_value, trl_grad = trl_update(model, ref, tokenizer, prompt_ids, responses, rewards,
                                              os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl-same-batch"))
     result = {
         "reward_mean": rewards.mean().item(), "response_length": sum(map(len, responses)) / len(responses),
         "advantage_max_difference": (our_adv - trl_adv).abs().max().item(),
-        "loss": {"ours": our_loss, "trl": trl_loss},
+        "loss": {"ours": our_loss_value, "trl": trl_loss_value},
         "gradient_norm": {"ours": our_grad.norm().item(), "trl": trl_grad.norm().item()},
         "gradient_cosine": torch.nn.functional.cosine_similarity(our_grad.double(), trl_grad.double(), 0).item(),
         "optimizer_step_max_parameter_difference": step_difference,

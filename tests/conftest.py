@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+
+from infra.ray_cluster import free_port
 
 MOTO_BUCKET = "rlhf-test"
 # What tests save for a person to look at (screenshots); listed at the end of the test report.
@@ -176,12 +177,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("test outputs")
         for path in saved:
             terminalreporter.write_line(str(path))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_answers(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60.0) -> None:

@@ -35,10 +35,9 @@ from prefect.settings import PREFECT_API_URL
 from flows.full_rlhf import full_rlhf
 from flows.results import PipelineResult
 from infra.artifacts import open_store
-from infra.ray_cluster import job_client
+from infra.ray_cluster import free_port, job_client
 from infra.settings import PROJECT_ROOT
 from pipeline.config import load_pipeline_config
-from conftest import free_port
 from faults import KillJobAfterCheckpoint
 from local_pipeline import local_pipeline_environment
 from reward_server import RewardServer

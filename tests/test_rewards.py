@@ -18,7 +18,7 @@ from stages.rewards import (
 )
 from stages.errors import StageInputError
 
-from conftest import free_port
+from infra.ray_cluster import free_port
 from reward_server import RewardServer
 
 QUERIES = ["1 + 1 = ? Answer: 2", "2 + 2 = ? Answer: 5", "3 + 4 = ? Answer: 7", "0 + 0 = ? Answer: 1"]

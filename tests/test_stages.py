@@ -21,7 +21,8 @@ import torch
 from stages import data, packing, sequences, tiny
 from stages.model_io import load_tokenizer
 
-from conftest import SFT_FLAGS, SFT_STEPS, free_port
+from conftest import SFT_FLAGS, SFT_STEPS
+from infra.ray_cluster import free_port
 from faults import rewound_checkpoints
 from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage
 
