@@ -136,9 +136,12 @@ def rl_memory(cfg, shapes: dict[str, ModelShape], gpu_bytes: float) -> list[tupl
     """[(GPU group, its roles, peak bytes per GPU)] of an RL config; `shapes` by role (actor, critic, ref,
     reward), a role without a shape is left out (said by the caller)."""
     seq_len = cfg.prompt_max_len + cfg.generate_max_len
-    # Tokens per micro-batch: --use_dynamic_batch's budgets, else micro-batches of full-length sequences.
-    train_tokens = cfg.train_token_budget or cfg.micro_train_batch_size * seq_len
-    rollout_tokens = cfg.rollout_token_budget or cfg.micro_rollout_batch_size * seq_len
+    # Tokens per micro-batch: --use_dynamic_batch's budgets, else micro-batches of full-length sequences; each rank
+    # of a ring (--ring_attn_size) runs its share of them (its layers' gathered keys and values are left out:
+    # --ring_head_stride heads at a time, small beside the activations).
+    ring = cfg.ring_attn_size
+    train_tokens = -(-(cfg.train_token_budget or cfg.micro_train_batch_size * seq_len) // ring)
+    rollout_tokens = -(-(cfg.rollout_token_budget or cfg.micro_rollout_batch_size * seq_len) // ring)
     ranks = cfg.role_ranks()
     common = {"zero_stage": cfg.zero_stage, "bf16": cfg.bf16, "load_in_4bit": cfg.load_in_4bit}
     roles: dict[str, RoleMemory] = {}

@@ -212,6 +212,15 @@ class TrainingConfig(StageConfig):
         description="pack the samples of a micro-batch into one row without padding (position ids restart per "
         "sample, attention stays within each sample)",
     )
+    ring_attn_size: int = Field(
+        1, ge=1, description="ring attention: this many consecutive ranks split each packed micro-batch's tokens "
+        "between them (the keys and values all-gathered in every attention layer), for sequences longer than one "
+        "GPU holds; needs --packing_samples; must divide every model's ranks; 1 = off",
+    )
+    ring_head_stride: int = Field(
+        1, ge=1, description="key/value heads ring attention gathers at a time (must divide the model's key/value "
+        "heads): more is faster and takes more memory",
+    )
     lr_warmup_ratio: float = Field(
         0.03, ge=0, le=1, description="fraction of the optimizer steps spent in linear warmup",
     )
@@ -246,8 +255,12 @@ class TrainingConfig(StageConfig):
     )
 
     def train_world_sizes(self) -> dict[str, int]:
-        """Data-parallel ranks of each trained model, keyed by the flags that set them."""
+        """Ranks of each trained model, keyed by the flags that set them (data-parallel ranks: these / --ring_attn_size)."""
         raise NotImplementedError
+
+    def model_world_sizes(self) -> dict[str, int]:
+        """Ranks of every model the stage runs, keyed by the flags that set them (--ring_attn_size must divide them)."""
+        return self.train_world_sizes()
 
     def _resolve(self) -> None:
         if self.packing_samples and "flash_attn" not in self.model_fields_set:
@@ -256,6 +269,10 @@ class TrainingConfig(StageConfig):
             self.__dict__["flash_attn"] = True
 
     def notes(self) -> list[str]:
+        if self.ring_attn_size > 1:
+            return [f"--ring_attn_size {self.ring_attn_size}: attention is ring attention over torch's sdpa kernels "
+                    "(keys and values all-gathered, a block-causal mask over each rank's share of the packed tokens)"
+                    + ("; FlashAttention's kernels (--flash_attn) are not used for it" if self.flash_attn else "")]
         if self.packing_samples and "flash_attn" not in self.model_fields_set:
             return ["--packing_samples turns --flash_attn on, as in OpenRLHF"]
         if self.packing_samples and not self.flash_attn:
@@ -289,7 +306,19 @@ class TrainingConfig(StageConfig):
                 problems.append("--load_in_4bit with --zero_stage 3: ZeRO-3 would partition the packed 4-bit weights "
                                 "apart from their quantization state; use --zero_stage 2 (LoRA's optimizer states "
                                 "are small)")
+        if self.ring_attn_size > 1 and not self.packing_samples:
+            problems.append(f"--ring_attn_size {self.ring_attn_size} splits packed micro-batches: add "
+                            "--packing_samples (as OpenRLHF requires)")
+        if self.ring_head_stride != 1 and self.ring_attn_size == 1:
+            problems.append("--ring_head_stride configures ring attention, which is off: set --ring_attn_size > 1")
+        for ranks_flags, ranks in self.model_world_sizes().items():
+            if ranks % self.ring_attn_size:
+                problems.append(f"--ring_attn_size {self.ring_attn_size} does not divide the {ranks} ranks of "
+                                f"{ranks_flags}")
         for ranks_flags, ranks in self.train_world_sizes().items():
+            if ranks % self.ring_attn_size:
+                continue  # said above
+            ranks //= self.ring_attn_size
             if getattr(self, "use_dynamic_batch", False):  # micro-batches by tokens: each rank an equal share
                 if self.train_batch_size % ranks:
                     problems.append(f"--train_batch_size {self.train_batch_size} is not a multiple of the {ranks} "
@@ -877,14 +906,16 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
         return ranks
 
     def train_world_sizes(self) -> dict[str, int]:
-        ranks = self.role_ranks()
-        return {
-            f"--{role}_num_nodes × --{role}_num_gpus_per_node": ranks[role]
-            for role in ("actor", "critic")
-            if role in ranks
-        }
+        return {key: ranks for key, ranks in self.model_world_sizes().items() if key.startswith(("--actor", "--critic"))}
+
+    def model_world_sizes(self) -> dict[str, int]:
+        return {f"--{role}_num_nodes × --{role}_num_gpus_per_node": ranks for role, ranks in self.role_ranks().items()}
 
     def _resolve(self) -> None:
+        if self.ring_attn_size > 1 and not self.packing_samples:
+            # As OpenRLHF's RL: ring attention turns packing on (said by notes()); before the parent's resolve,
+            # which lets packing turn --flash_attn on.
+            self.__dict__["packing_samples"] = True
         super()._resolve()
         if self.n_samples_per_prompt is None:
             # Into __dict__: the field stays out of model_fields_set, which is how notes() tells it was unset.
@@ -892,6 +923,8 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
 
     def notes(self) -> list[str]:
         notes = super().notes()
+        if self.ring_attn_size > 1 and "packing_samples" not in self.model_fields_set:
+            notes.append(f"--ring_attn_size {self.ring_attn_size} turns --packing_samples on, as in OpenRLHF")
         estimator = self.advantage_estimator
         if "n_samples_per_prompt" not in self.model_fields_set and estimator in GROUP_ESTIMATORS:
             notes.append(f"--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator {estimator} "
@@ -919,11 +952,12 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
                 f"--rollout_batch_size {self.rollout_batch_size} × --n_samples_per_prompt {self.n_samples_per_prompt}"
                 f" = {samples} samples is not a multiple of --train_batch_size {self.train_batch_size}"
             )
-        if not self.use_dynamic_batch and samples // self.micro_rollout_batch_size < self.actor_ranks:
+        actor_groups = self.actor_ranks // self.ring_attn_size  # the ranks of a ring share micro-batches
+        if not self.use_dynamic_batch and samples // self.micro_rollout_batch_size < actor_groups:
             problems.append(
                 f"{samples} rollout samples / --micro_rollout_batch_size {self.micro_rollout_batch_size} = "
-                f"{samples // self.micro_rollout_batch_size} micro-batches, fewer than the {self.actor_ranks} "
-                "actor ranks"
+                f"{samples // self.micro_rollout_batch_size} micro-batches, fewer than the {actor_groups} "
+                "data-parallel actor ranks"
             )
         if self.temperature == 0:
             problems.append("--temperature 0 is greedy decoding: RL needs sampling, use a temperature > 0")

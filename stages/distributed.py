@@ -68,6 +68,29 @@ class RankWorker:
 
             torch.set_num_threads(threads)
 
+    ring = None  # this rank's ring with --ring_attn_size > 1 (stages/ring_attention.py), set by join_ring
+
+    def join_ring(self, cfg) -> None:
+        """--ring_attn_size: join the ring of consecutive ranks this rank splits its sequences' tokens with (after
+        init_process_group). The ranks of a ring read the same data: data-parallel rank and size count rings."""
+        from stages.ring_attention import ring_of
+
+        # A stage without the flags (the evaluation's reward model) has no ring.
+        self.ring = ring_of(self.rank, self.world_size, getattr(cfg, "ring_attn_size", 1),
+                            getattr(cfg, "ring_head_stride", 1))
+
+    @property
+    def ring_size(self) -> int:
+        return self.ring.size if self.ring is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.ring_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.ring_size
+
     def master_endpoint(self) -> tuple[str, int]:
         """Host the rendezvous store on rank 0 (this rank), listening on the node's address only.
 
@@ -197,6 +220,7 @@ class ActorGroup:
                  name: str = "group", threads: int = 1, host_args: tuple = ()):
         self.name = name
         self.role: str | None = None  # set on the groups `hosted` returns
+        self.ring_size = 1  # consecutive ranks that split each sequence's tokens (--ring_attn_size), set by the stage
         self.placement = placement or make_placement(num_ranks, device)
         env_vars = cpu_rank_env(threads) if device == "cpu" else {}
         remote_cls = ray.remote(worker_cls)
@@ -237,6 +261,17 @@ class ActorGroup:
     @property
     def world_size(self) -> int:
         return len(self.actors)
+
+    def split(self, tensors: dict) -> list[dict]:
+        """Row slices of `tensors` ({name: [rows, ...]}), one per rank: contiguous, equal-as-possible slices per
+        data-parallel group, the same slice for every rank of a ring (`ring_size`, --ring_attn_size)."""
+        from stages.sequences import split_rows
+
+        return [part for part in split_rows(tensors, self.world_size // self.ring_size) for _ in range(self.ring_size)]
+
+    def leaders(self, results: list) -> list:
+        """Of one result per rank, those of each ring's first rank (the others computed the same)."""
+        return results[:: self.ring_size]
 
     def on_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """Call `method` on one rank."""

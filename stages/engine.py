@@ -48,12 +48,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch_size: int,
                      zero_stage: int | None = None, train: bool = True, offload_params: bool = False) -> dict:
     """The DeepSpeed config for one model role. `train_batch_size` counts samples per optimizer step;
-    `offload_params` keeps a frozen model's ZeRO-3 partitions in host memory (--ref_reward_offload, --ref_offload)."""
+    `offload_params` keeps a frozen model's ZeRO-3 partitions in host memory (--ref_reward_offload, --ref_offload).
+
+    With --ring_attn_size the `world_size` ranks form world_size / ring data-parallel groups: the accumulation
+    count follows those, and DeepSpeed, which counts every rank as data-parallel, is told ring times the batch."""
     stage = cfg.zero_stage if zero_stage is None else zero_stage
+    ring = getattr(cfg, "ring_attn_size", 1)
+    data_parallel = world_size // ring
     if train and getattr(cfg, "use_dynamic_batch", False):
         # Micro-batches by token budget, a varying number per optimizer step: no fixed accumulation count, the
         # trainer marks each step's last micro-batch (stages/roles.py, accumulate).
-        micro_batch_size, train_batch_size = 1, world_size
+        micro_batch_size, train_batch_size = 1, data_parallel
     zero: dict[str, Any] = {"stage": stage}
     if train and getattr(cfg, "adam_offload", False):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -61,14 +66,14 @@ def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     if offload_params and stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    accumulation = train_batch_size // (micro_batch_size * world_size)
-    if accumulation < 1 or accumulation * micro_batch_size * world_size != train_batch_size:
+    accumulation = train_batch_size // (micro_batch_size * data_parallel)
+    if accumulation < 1 or accumulation * micro_batch_size * data_parallel != train_batch_size:
         raise ValueError(
             f"train_batch_size={train_batch_size} must be a multiple of micro_train_batch_size={micro_batch_size}"
-            f" x {world_size} ranks"
+            f" x {data_parallel} data-parallel ranks"
         )
     return {
-        "train_batch_size": train_batch_size,
+        "train_batch_size": train_batch_size * ring,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": cfg.max_norm if train else 0.0,
@@ -135,10 +140,12 @@ def build_inference_engine(model: torch.nn.Module, ds_config: dict, device: str)
     return engine
 
 
-def global_loss_scale(engine) -> float:
+def global_loss_scale(engine, ring_size: int = 1) -> float:
     """Factor that turns a per-micro-batch `sum / step_tokens` into a global token mean after DeepSpeed divides
-    by gradient accumulation steps and averages gradients over data-parallel ranks."""
-    return float(engine.gradient_accumulation_steps() * engine.world_size)
+    by gradient accumulation steps and averages gradients over all ranks. The ranks of a ring (--ring_attn_size)
+    compute one loss between them, each with `ring_size` times its share of the gradient
+    (stages/ring_attention.py): the mean counts data-parallel groups."""
+    return float(engine.gradient_accumulation_steps() * engine.world_size // ring_size)
 
 
 # ---------------------------------------------------------------- checkpoints

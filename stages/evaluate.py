@@ -44,7 +44,7 @@ from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
 from stages.roles import RewardModelWorker
 from stages.rollout import Rollout, create_rollout_engines, generate_across
-from stages.sequences import build_sequences, split_rows
+from stages.sequences import build_sequences
 from stages.tracking import StepLog
 
 SAMPLES_SHOWN = 4  # prompts of samples.jsonl, answered by every model
@@ -142,7 +142,7 @@ class Evaluation:
         if self.reward_group is not None:
             batch = build_sequences([r.prompt_ids for r in greedy], [list(r.response_ids) for r in greedy],
                                     self.pad_token_id)
-            scores = torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
+            scores = torch.cat(self.reward_group.run_sharded("score", self.reward_group.split(batch)))
             metrics["reward_mean"] = float(scores.mean())
             for sample, score in zip(shown, scores.tolist()):
                 sample["reward_model_score"] = score

@@ -212,8 +212,14 @@ def loading_options(cfg, device: str) -> dict:
 
 
 def attn_implementation(cfg, device: str) -> str | None:
-    """FlashAttention-2 with --flash_attn on CUDA; transformers' default (sdpa) otherwise. On CPU the flag cannot act
-    (the stage says so once, stages/fields.py). Without the flash-attn package the stage stops before loading."""
+    """Ring attention with --ring_attn_size > 1 (stages/ring_attention.py; sdpa kernels, on GPU too); else
+    FlashAttention-2 with --flash_attn on CUDA; transformers' default (sdpa) otherwise. On CPU --flash_attn cannot
+    act (the stage says so once, stages/fields.py). Without the flash-attn package the stage stops before loading."""
+    if getattr(cfg, "ring_attn_size", 1) > 1:
+        from stages import ring_attention
+
+        ring_attention.register()
+        return ring_attention.RING_ATTENTION
     if not (cfg.flash_attn and device == "cuda"):
         return None
     import importlib.util

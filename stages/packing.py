@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from stages import algorithms as algo
+from stages import ring_attention
 from stages.sequences import pad_sequences
 
 
@@ -48,18 +49,20 @@ def _padded(sequences: list[list[int]], pad_token_id: int, device) -> tuple[Tens
     return input_ids.to(device), attention_mask.to(device)
 
 
-def packed_log_probs(model, sequences: list[list[int]], temperature: float = 1.0) -> list[Tensor]:
+def packed_log_probs(model, sequences: list[list[int]], temperature: float = 1.0, ring=None) -> list[Tensor]:
     """One padding-free forward; log p(token t+1 | tokens <= t) of each sequence, [len(seq) - 1] each, fp32.
 
-    Keeps the autograd graph (use it for training as well as under torch.no_grad()).
+    Keeps the autograd graph (use it for training as well as under torch.no_grad()). With a `ring`
+    (--ring_attn_size) the ranks of the ring each run a slice of the row (stages/ring_attention.py).
     """
     input_ids, position_ids, starts = pack(sequences, model_device(model))
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
-    return [
-        algo.token_log_probs(logits[start : start + len(seq) - 1].unsqueeze(0) / temperature,
-                             input_ids[:, start + 1 : start + len(seq)])[0]
-        for start, seq in zip(starts, sequences)
-    ]
+
+    def run(ids: Tensor, positions: Tensor, next_ids: Tensor, forward_kwargs: dict) -> Tensor:
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False, **forward_kwargs).logits
+        return algo.token_log_probs(logits / temperature, next_ids)[0]
+
+    token_logp = ring_attention.per_token(run, input_ids, position_ids, ring)
+    return [token_logp[start : start + len(seq) - 1] for start, seq in zip(starts, sequences)]
 
 
 def padded_log_probs(model, sequences: list[list[int]], pad_token_id: int, temperature: float = 1.0) -> list[Tensor]:
@@ -71,10 +74,10 @@ def padded_log_probs(model, sequences: list[list[int]], pad_token_id: int, tempe
 
 
 def sequence_log_probs(model, sequences: list[list[int]], *, pad_token_id: int, packing: bool,
-                       temperature: float = 1.0) -> list[Tensor]:
-    """Next-token log-probs of each sequence, packed or padded."""
+                       temperature: float = 1.0, ring=None) -> list[Tensor]:
+    """Next-token log-probs of each sequence, packed (over the `ring`'s ranks, if any) or padded."""
     if packing:
-        return packed_log_probs(model, sequences, temperature)
+        return packed_log_probs(model, sequences, temperature, ring)
     return padded_log_probs(model, sequences, pad_token_id, temperature)
 
 
@@ -99,16 +102,20 @@ def _captured_output(module: torch.nn.Module) -> Iterator[list[Tensor]]:
         handle.remove()
 
 
-def packed_values(model, sequences: list[list[int]]) -> list[Tensor]:
+def packed_values(model, sequences: list[list[int]], ring=None) -> list[Tensor]:
     """One padding-free forward of a value model; its head's output at every token, [len(seq)] each, fp32.
 
     The whole model runs (so DeepSpeed's ZeRO-3 hooks fetch every weight); the head's per-token output is read
-    with a forward hook, before the model pools it.
+    with a forward hook, before the model pools it. With a `ring`, over the ring's ranks as packed_log_probs.
     """
     input_ids, position_ids, starts = pack(sequences, model_device(model))
-    with _captured_output(value_head(model)) as captured:
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    values = captured[-1][0, :, 0].float()
+
+    def run(ids: Tensor, positions: Tensor, _next_ids: Tensor, forward_kwargs: dict) -> Tensor:
+        with _captured_output(value_head(model)) as captured:
+            model(input_ids=ids, position_ids=positions, use_cache=False, **forward_kwargs)
+        return captured[-1][0, :, 0].float()
+
+    values = ring_attention.per_token(run, input_ids, position_ids, ring)
     return [values[start : start + len(seq)] for start, seq in zip(starts, sequences)]
 
 
@@ -120,18 +127,20 @@ def padded_values(model, sequences: list[list[int]], pad_token_id: int) -> list[
     return [values[row, : len(seq)] for row, seq in enumerate(sequences)]
 
 
-def sequence_values(model, sequences: list[list[int]], *, pad_token_id: int, packing: bool) -> list[Tensor]:
-    """Value-head output at every token of each sequence, packed or padded."""
+def sequence_values(model, sequences: list[list[int]], *, pad_token_id: int, packing: bool,
+                    ring=None) -> list[Tensor]:
+    """Value-head output at every token of each sequence, packed (over the `ring`'s ranks, if any) or padded."""
     if packing:
-        return packed_values(model, sequences)
+        return packed_values(model, sequences, ring)
     return padded_values(model, sequences, pad_token_id)
 
 
-def last_token_values(model, sequences: list[list[int]], *, pad_token_id: int, packing: bool) -> Tensor:
+def last_token_values(model, sequences: list[list[int]], *, pad_token_id: int, packing: bool,
+                      ring=None) -> Tensor:
     """[B] value-head output at the last token of each sequence: the reward of a reward model.
 
     The last token is found from each sequence's length, not from pad ids, so a pad token equal to eos (a common
     fallback) does not move it.
     """
-    values = sequence_values(model, sequences, pad_token_id=pad_token_id, packing=packing)
+    values = sequence_values(model, sequences, pad_token_id=pad_token_id, packing=packing, ring=ring)
     return torch.stack([value[-1] for value in values])

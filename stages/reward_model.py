@@ -45,11 +45,11 @@ def pair_sequences(examples: list[dict]) -> list[list[int]]:
     return [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
 
 
-def pair_rewards(model, examples: list[dict], *, pad_token_id: int, packing_samples: bool
+def pair_rewards(model, examples: list[dict], *, pad_token_id: int, packing_samples: bool, ring=None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen rewards [B], rejected rewards [B]): the value head at the last token of each response."""
     rewards = packing.last_token_values(model, pair_sequences(examples), pad_token_id=pad_token_id,
-                                        packing=packing_samples)
+                                        packing=packing_samples, ring=ring)
     return rewards[: len(examples)], rewards[len(examples) :]
 
 
@@ -74,7 +74,7 @@ class RewardModelWorker(StepTrainer):
 
     def pair_rewards(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
         return pair_rewards(self.engine, examples, pad_token_id=self.tokenizer.pad_token_id,
-                            packing_samples=self.cfg.packing_samples)
+                            packing_samples=self.cfg.packing_samples, ring=self.ring)
 
     def micro_batch_loss(self, examples, normalizer):
         with self.router_losses() as aux_losses:  # one forward scores both sides of the pairs

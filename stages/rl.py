@@ -42,7 +42,7 @@ from stages.roles import Roles
 from stages.rollout import (Extension, Rollout, encode_prompt, extend_across, generate_across, response_budgets,
                             rollouts_of)
 from stages.rollout_queue import RolloutQueue
-from stages.sequences import build_sequences, chunks, split_rows
+from stages.sequences import build_sequences, chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
 
 # Phases that follow one another within a step; whatever else the step took is reported as idle.
@@ -112,7 +112,8 @@ class Scorer:
             return self.source([r.prompt + r.response_text for r in rollouts], [r.prompt for r in rollouts], labels)
         batch = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
                                 self.pad_token_id)
-        rewards = torch.cat(self.reward_group.run_sharded("score", split_rows(batch, self.reward_group.world_size)))
+        group = self.reward_group
+        rewards = torch.cat(group.leaders(group.run_sharded("score", group.split(batch))))
         return RewardBatch(rewards, rewards.clone(), torch.zeros(len(rollouts), dtype=torch.bool))
 
 
@@ -305,14 +306,14 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
             for role, method, phase in forwards:
                 with timer.phase(f"experience_{phase}"):
                     group = roles.get(role)
-                    results[phase] = torch.cat(group.run_sharded(method, split_rows(experience, group.world_size)))
+                    results[phase] = torch.cat(group.leaders(group.run_sharded(method, group.split(experience))))
         else:  # every model reads the same sequences on GPUs of its own: all at once
             started = time.perf_counter()
-            pending = {phase: roles.get(role).run_sharded_async(method, split_rows(experience,
-                                                                                   roles.get(role).world_size))
+            pending = {phase: (roles.get(role), roles.get(role).run_sharded_async(method,
+                                                                                  roles.get(role).split(experience)))
                        for role, method, phase in forwards}
-            for phase, refs in pending.items():  # each phase: time until that model's answers were all in
-                results[phase] = torch.cat(ray.get(refs))
+            for phase, (group, refs) in pending.items():  # each phase: time until that model's answers were all in
+                results[phase] = torch.cat(group.leaders(ray.get(refs)))
                 timer.add(f"experience_{phase}", time.perf_counter() - started)
     with timer.phase("advantages"):
         if "actor_logprobs" in results:
@@ -384,17 +385,18 @@ def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tens
         order = torch.randperm(len(experience["input_ids"]), generator=generator)
         for chunk in chunks(order.tolist(), cfg.train_batch_size):
             step_tokens = float(experience["action_mask"][chunk].sum())
-            refs = []
+            pending = []
             for group in groups:
                 keys, kwargs = jobs[id(group)]
                 if "step_sequences" in kwargs:
                     kwargs = {**kwargs, "step_sequences": len(chunk)}
                 step_batch = {key: experience[key][chunk] for key in keys}
-                refs += group.run_sharded_async("train_step", split_rows(step_batch, group.world_size),
-                                                step_tokens=step_tokens, **kwargs)
-            for stats in ray.get(refs):
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
+                pending.append((group, group.run_sharded_async("train_step", group.split(step_batch),
+                                                               step_tokens=step_tokens, **kwargs)))
+            for group, refs in pending:
+                for stats in group.leaders(ray.get(refs)):
+                    for key, value in stats.items():
+                        totals[key] = totals.get(key, 0.0) + value
 
 
 def check_finite(record: dict[str, Any], step: int, ckpt_path: str) -> None:

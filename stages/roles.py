@@ -14,7 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
-from stages import lora, moe
+from stages import lora, moe, ring_attention
 from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.errors import StageInputError
@@ -51,11 +51,11 @@ class TokenValueModel(torch.nn.Module):
         self.normalization = normalization
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, **forward_kwargs) -> torch.Tensor:
         model = lora.hf_model(self.model)  # with --lora_rank its layers hold the adapters, its head the trained copy
         base = getattr(model, model.base_model_prefix)
         hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state
+                      use_cache=False, **forward_kwargs).last_hidden_state
         values = model.score(hidden).squeeze(-1).float()
         if self.normalization is not None:
             mean, std = self.normalization
@@ -89,7 +89,7 @@ class TrainedRole(RankWorker):
         (stages/moe.py); an idle micro-batch (rows []) adds nothing, like the rest of its loss."""
         if not aux_losses or not rows:
             return loss
-        share = moe.step_share(aux_losses, micro_batches * self.world_size)
+        share = moe.step_share(aux_losses, micro_batches * self.dp_size)
         totals[self.aux_key] = totals.get(self.aux_key, 0.0) + share.item()
         return loss + self.cfg.aux_loss_coef * share
 
@@ -132,6 +132,7 @@ class PolicyWorker(TrainedRole):
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
+        self.join_ring(cfg)
         ds.seed_everything(cfg.seed)
         self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
                                              micro_batch_size=cfg.micro_train_batch_size)
@@ -179,7 +180,7 @@ class PolicyWorker(TrainedRole):
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
-        return sequence_log_probs(self.engine, batch, self.cfg)
+        return sequence_log_probs(self.engine, batch, self.cfg, self.ring)
 
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float, step_sequences: int,
                    kl_coef: float) -> dict[str, float]:
@@ -194,7 +195,7 @@ class PolicyWorker(TrainedRole):
         cfg = self.cfg
         self.engine.train()
         eps_low, eps_high = cfg.eps_clip_bounds
-        scale = ds.global_loss_scale(self.engine)
+        scale = ds.global_loss_scale(self.engine, self.ring_size)
         device = next(self.engine.module.parameters()).device
         totals = {"policy_loss": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
@@ -202,7 +203,7 @@ class PolicyWorker(TrainedRole):
             mask = micro["action_mask"]
             with self.router_losses() as aux_losses:
                 logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
-                                                 with_entropy=cfg.entropy_loss_coef is not None)
+                                                 with_entropy=cfg.entropy_loss_coef is not None, ring=self.ring)
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
             rollout_logp = micro.get("rollout_logp")
             if cfg.policy_loss_type == "gspo":
@@ -325,6 +326,7 @@ class CriticWorker(TrainedRole):
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
+        self.join_ring(cfg)
         ds.seed_everything(cfg.seed)
         self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
                                              micro_batch_size=cfg.micro_train_batch_size)
@@ -344,7 +346,7 @@ class CriticWorker(TrainedRole):
         cfg = self.cfg
         micro = rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
                                    next(self.engine.module.parameters()).device)
-        return forward_rows(batch, micro, lambda part: value_forward(self.engine, part, cfg.packing_samples))
+        return forward_rows(batch, micro, lambda part: value_forward(self.engine, part, cfg.packing_samples, self.ring))
 
     def export(self, save_path: str) -> None:
         """--save_value_network: the critic as an HF value model (its `score` head), loadable as a reward model."""
@@ -355,14 +357,14 @@ class CriticWorker(TrainedRole):
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
         cfg = self.cfg
         self.engine.train()
-        scale = ds.global_loss_scale(self.engine)
+        scale = ds.global_loss_scale(self.engine, self.ring_size)
         device = next(self.engine.module.parameters()).device
         totals = {"critic_loss": 0.0, "values": 0.0}
         micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
         for index, (micro, rows) in enumerate(micro_batches):
             mask = micro["action_mask"]
             with self.router_losses() as aux_losses:
-                values = value_forward(self.engine, micro, cfg.packing_samples)
+                values = value_forward(self.engine, micro, cfg.packing_samples, self.ring)
             critic_loss = algo.aggregate_token_loss(
                 algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
             loss = self.with_aux_loss(critic_loss, aux_losses, rows, len(micro_batches), totals)
@@ -382,6 +384,7 @@ class ReferenceWorker(RankWorker):
 
         self.cfg = cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group(deepspeed=cfg.zero_stage == 3)  # DeepSpeed only to shard it
+        self.join_ring(cfg)
         ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
                                         micro_batch_size=cfg.micro_train_batch_size, train=False,
                                         offload_params=cfg.ref_reward_offload and self.device == "cuda")
@@ -391,7 +394,7 @@ class ReferenceWorker(RankWorker):
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return sequence_log_probs(self.model, batch, self.cfg)
+        return sequence_log_probs(self.model, batch, self.cfg, self.ring)
 
 
 class RewardModelWorker(RankWorker):
@@ -405,6 +408,7 @@ class RewardModelWorker(RankWorker):
         # Sharded with ZeRO-3 as the reference is (the RL stage's --zero_stage), a whole copy on every rank else.
         sharded = getattr(cfg, "zero_stage", 0) == 3
         self.init_process_group(deepspeed=sharded)
+        self.join_ring(cfg)
         local = resolve_model_path(cfg.reward_pretrain)
         ds_config = ds.deepspeed_config(
             cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
@@ -432,7 +436,8 @@ class RewardModelWorker(RankWorker):
                                               self.device):
             scores = packing_lib.last_token_values(
                 self.model, [ending_with_eos(seq, self.eos_token_id, self.max_positions) for seq in _unpadded(micro)[0]],
-                pad_token_id=self.config.pad_token_id, packing=getattr(cfg, "packing_samples", False)).cpu()
+                pad_token_id=self.config.pad_token_id, packing=getattr(cfg, "packing_samples", False),
+                ring=self.ring).cpu()
             if rows:
                 rewards[rows] = scores.float()
         if self.cfg.normalize_reward:
@@ -505,45 +510,53 @@ def _unpadded(micro: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[int
 
 
 def policy_forward(model, micro: dict[str, torch.Tensor], temperature: float, packing: bool,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, ring=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next-token log-probs [B, T-1] of the sampling distribution (logits / temperature, as the engines sampled)
     of a right-padded micro-batch, and the entropies when asked: from one padded forward, or with
-    --packing_samples from one padding-free forward of the sequences laid end to end (stages/packing.py)."""
+    --packing_samples from one padding-free forward of the sequences laid end to end (stages/packing.py), split
+    over the ranks of a `ring` with --ring_attn_size (stages/ring_attention.py)."""
     ids = micro["input_ids"]
     if not packing:
         logits = model(input_ids=ids, attention_mask=micro["attention_mask"]).logits[:, :-1] / temperature
         return algo.token_log_probs(logits, ids[:, 1:]), algo.entropy_from_logits(logits) if with_entropy else None
     sequences, lengths = _unpadded(micro)
     packed_ids, position_ids, starts = packing_lib.pack(sequences, ids.device)
-    logits = model(input_ids=packed_ids, position_ids=position_ids, use_cache=False).logits[0] / temperature
+
+    def run(part_ids, positions, next_ids, forward_kwargs) -> torch.Tensor:
+        logits = model(input_ids=part_ids, position_ids=positions, use_cache=False, **forward_kwargs).logits
+        logits = logits / temperature
+        logp = algo.token_log_probs(logits, next_ids)[0]
+        return torch.stack([logp, algo.entropy_from_logits(logits)[0]], dim=-1) if with_entropy else logp[:, None]
+
+    per_token = ring_attention.per_token(run, packed_ids, position_ids, ring)
     width = ids.shape[1] - 1
-    logp, entropy = [], []
-    for start, n in zip(starts, lengths):
-        row_logits = logits[start : start + n - 1].unsqueeze(0)
-        logp.append(F.pad(algo.token_log_probs(row_logits, packed_ids[:, start + 1 : start + n])[0], (0, width - n + 1)))
-        if with_entropy:
-            entropy.append(F.pad(algo.entropy_from_logits(row_logits)[0], (0, width - n + 1)))
-    return torch.stack(logp), torch.stack(entropy) if with_entropy else None
+    rows = [F.pad(per_token[start : start + n - 1], (0, 0, 0, width - n + 1)) for start, n in zip(starts, lengths)]
+    stacked = torch.stack(rows)  # [B, T-1, 1 or 2]
+    return stacked[..., 0], stacked[..., 1] if with_entropy else None
 
 
-def value_forward(model, micro: dict[str, torch.Tensor], packing: bool) -> torch.Tensor:
-    """Values [B, T-1] of the state before each next token (aligned with the action mask), padded or packed."""
+def value_forward(model, micro: dict[str, torch.Tensor], packing: bool, ring=None) -> torch.Tensor:
+    """Values [B, T-1] of the state before each next token (aligned with the action mask), padded or packed
+    (over the ranks of a `ring`, if any)."""
     if not packing:
         return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])[:, :-1]
     sequences, lengths = _unpadded(micro)
     packed_ids, position_ids, starts = packing_lib.pack(sequences, micro["input_ids"].device)
-    values = model(input_ids=packed_ids, position_ids=position_ids)[0]
+    values = ring_attention.per_token(
+        lambda part_ids, positions, _next, forward_kwargs: model(input_ids=part_ids, position_ids=positions,
+                                                                 **forward_kwargs)[0],
+        packed_ids, position_ids, ring)
     width = micro["input_ids"].shape[1] - 1
     return torch.stack([F.pad(values[start : start + n - 1], (0, width - n + 1)) for start, n in zip(starts, lengths)])
 
 
 @torch.no_grad()
-def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg) -> torch.Tensor:
+def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg, ring=None) -> torch.Tensor:
     """Log-probs [B, T-1] of a batch, micro-batch by micro-batch, on CPU."""
     micro = rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
                                next(model.parameters()).device)
     return forward_rows(batch, micro, lambda part: policy_forward(model, part, cfg.temperature,
-                                                                   cfg.packing_samples)[0])
+                                                                   cfg.packing_samples, ring=ring)[0])
 
 
 # ----------------------------------------------------------------------------- the roles of one run
@@ -592,6 +605,8 @@ class Roles:
                 else:
                     self.groups.update(ActorGroup.hosted({r: ROLE_WORKERS[r] for r in hosted}, ranks[role], device,
                                                          **options))
+        for group in self.groups.values():
+            group.ring_size = cfg.ring_attn_size
         self.engines = create_rollout_engines(
             cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
             tensor_parallel_size=cfg.vllm_tensor_parallel_size,

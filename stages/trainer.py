@@ -60,6 +60,7 @@ class StepTrainer(RankWorker):
     def setup(self, cfg_dict: dict, config_cls: type) -> dict[str, int]:
         self.cfg = config_cls.model_validate(cfg_dict)
         self.init_process_group()
+        self.join_ring(self.cfg)
         ds.seed_everything(self.cfg.seed)
         from stages import data
         from stages.model_io import load_tokenizer, resolve_model_path
@@ -116,12 +117,12 @@ class StepTrainer(RankWorker):
             with timer.phase("data"):
                 batch = self.step_examples(step)
                 normalizer = self.step_normalizer(batch)
-                mine = batch[self.rank :: self.world_size]
+                mine = batch[self.dp_rank :: self.dp_size]  # the ranks of a ring read the same examples
             totals: dict[str, float] = {}
             for micro in chunks(mine, cfg.micro_train_batch_size):
                 with timer.phase("forward_backward"):
                     loss, stats = self.micro_batch_loss(micro, normalizer)
-                    self.engine.backward(loss * ds.global_loss_scale(self.engine))
+                    self.engine.backward(loss * ds.global_loss_scale(self.engine, self.ring_size))
                 with timer.phase("optimizer"):  # the optimizer runs at the last micro-batch of the step
                     self.engine.step()
                 for key, value in stats.items():
@@ -189,24 +190,26 @@ class StepTrainer(RankWorker):
         return loss + self.aux_loss_coef * share, {**stats, "aux_loss": share.item()}
 
     def log_probs(self, model, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """Next-token log-probs of each sequence (packed with --packing_samples)."""
+        """Next-token log-probs of each sequence (packed with --packing_samples, over the ring's ranks with
+        --ring_attn_size)."""
         return packing.sequence_log_probs(model, sequences, pad_token_id=self.tokenizer.pad_token_id,
-                                          packing=self.cfg.packing_samples)
+                                          packing=self.cfg.packing_samples, ring=self.ring)
 
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sums over the data-parallel groups (the ranks of a ring hold the same values: counted once)."""
         keys = sorted(values)
         tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(tensor)
-        return {k: float(v) for k, v in zip(keys, tensor.tolist())}
+        return {k: float(v) / self.ring_size for k, v in zip(keys, tensor.tolist())}
 
     def eval_micro_batches(self, examples: list[dict] | None = None) -> Iterator[tuple[list[dict], bool]]:
         """This rank's share of `examples` (default: the held-out ones) in micro-batches, as (examples, real).
         Every rank gets the same number (forwards are collectives under ZeRO-3): a rank with fewer examples fills
         up with a repeated example marked real=False, whose results it must not count."""
         examples = self.eval_examples if examples is None else examples
-        shard = examples[self.rank :: self.world_size]
+        shard = examples[self.dp_rank :: self.dp_size]
         size = self.cfg.micro_train_batch_size
-        longest = math.ceil(len(examples) / self.world_size)
+        longest = math.ceil(len(examples) / self.dp_size)
         for index in range(math.ceil(longest / size)):
             micro = shard[index * size : (index + 1) * size]
             yield (micro, True) if micro else (examples[:1], False)

@@ -47,7 +47,7 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
 # module fixtures (a Prefect server, an operated night, a Ray head) built once there; the files whose tests share
 # only the session's built-once fixtures spread test by test. The longest units go first, so that the short ones
 # fill the end of the run instead of one worker finishing a long file alone.
-SPREAD_FILES = ("test_rl.py", "test_stages.py")
+SPREAD_FILES = ("test_rl.py", "test_stages.py", "test_ring_attention.py")
 LONGEST_FIRST = ("test_pipeline.py", "test_deployment.py", "test_rehearsals.py", "test_rl.py", "test_stages.py",
                  "test_bench.py", "test_orchestration.py", "test_rollout.py", "test_transient.py")
 

@@ -275,7 +275,7 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
          ["--train_batch_size 100", "--micro_train_batch_size 1", "--num_nodes 1 × --num_gpus_per_node 8"]),
         ("rl", [*PPO, "--rollout_batch_size", "1000"],
          ["--rollout_batch_size 1000 × --n_samples_per_prompt 1", "--train_batch_size 128"]),
-        ("rl", [*PPO, "--micro_rollout_batch_size", "256"], ["--micro_rollout_batch_size 256", "8 actor ranks"]),
+        ("rl", [*PPO, "--micro_rollout_batch_size", "256"], ["--micro_rollout_batch_size 256", "8 data-parallel actor ranks"]),
         ("rl", [*PPO, "--init_kl_coef", "0", "--use_kl_loss"], ["--use_kl_loss with --init_kl_coef 0"]),
         ("rl", [*PPO, "--init_kl_coef", "0", "--kl_estimator", "k3"], ["--kl_estimator k3", "--init_kl_coef 0"]),
         ("rl", [*PPO, "--init_kl_coef", "0", "--kl_target", "6"], ["--kl_target", "--init_kl_coef"]),

@@ -289,6 +289,12 @@ def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest()
     [(_, dynamic_members, _)] = rl_memory(dynamic, shapes, 80 * GIB)
     ref = {m.role: m for m in dynamic_members}["ref"]
     assert ref.activations == pytest.approx(role["ref"].activations * 8192 / (16 * 2048))
+    # --ring_attn_size 4: each rank of a ring runs a quarter of a micro-batch's tokens.
+    ring = awake.model_copy(update={"ring_attn_size": 4, "packing_samples": True})
+    [(_, ring_members, _)] = rl_memory(ring, shapes, 80 * GIB)
+    ring_role = {m.role: m for m in ring_members}
+    assert ring_role["actor"].activations == pytest.approx(role["actor"].activations / 4)
+    assert ring_role["actor"].states == role["actor"].states
     apart = cfg.model_copy(update={"colocate_all_models": False, "vllm_enable_sleep": False,
                                    "deepspeed_enable_sleep": False})
     assert [where for where, _, _ in rl_memory(apart, shapes, 80 * GIB)] == ["actor", "ref", "critic", "reward",
