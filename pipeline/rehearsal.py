@@ -11,10 +11,10 @@ values). The swaps, each with its reason (what a GPU cluster has and this machin
   KTO's label column), held-out rows where the field is held out;
 - `device` -> cpu, one rollout engine without tensor parallelism (GPU-only flags such as `flash_attn` or the sleep
   modes are kept: the stage says once that they cannot act on CPU);
-- ranks: every `*num_gpus_per_node` down to at most 2 CPU ranks, `*num_nodes` to 1;
+- ranks: every `*num_gpus_per_node` down to at most 2 CPU ranks, `*num_nodes` to 1, `ring_attn_size` to at most 2;
 - lengths down to what the tiny model holds (128 positions);
-- batch sizes down with their ratios kept: gradient accumulation steps (train / (micro x ranks)) and optimizer
-  steps per rollout (rollout samples / train batch);
+- batch sizes down with their ratios kept: gradient accumulation steps (train / (micro x data-parallel ranks)) and
+  optimizer steps per rollout (rollout samples / train batch);
 - steps capped: one epoch and data for REHEARSAL_STEPS optimizer steps per training stage (RL: rollouts), the
   evaluation on EVAL_PROMPTS prompts; `save_steps` scaled with them (the preset's interval as the same fraction of
   its steps, at least one step, before the last), so that a rehearsal checkpoints and can resume as the preset does;
@@ -104,6 +104,8 @@ def _rank_swaps(values: dict) -> list[tuple[str, Any, str]]:
             swaps.append((name, MAX_RANKS, f"{MAX_RANKS} CPU ranks stand in for the GPUs of a node"))
         elif name.endswith("num_nodes") and value > 1:
             swaps.append((name, 1, "one machine"))
+        elif name == "ring_attn_size" and value > MAX_RANKS:
+            swaps.append((name, MAX_RANKS, f"a ring of {MAX_RANKS} CPU ranks stands in"))
     return swaps
 
 
@@ -118,11 +120,19 @@ def ranks_of(values: dict, role: str) -> int:
     return values[f"{role}_num_nodes"] * values[f"{role}_num_gpus_per_node"]
 
 
+def data_parallel(ranks: int, values: dict, rehearsed: bool = False) -> int:
+    """Data-parallel ranks of `ranks` (--ring_attn_size consecutive ranks share their data); `rehearsed`: of the
+    rehearsal's ranks and ring."""
+    ring = values.get("ring_attn_size", 1)
+    return min(ranks, MAX_RANKS) // min(ring, MAX_RANKS) if rehearsed else ranks // ring
+
+
 def _offline_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
     """Smaller batches with the same gradient accumulation; data for REHEARSAL_STEPS steps of one epoch."""
     ranks = values["num_nodes"] * values["num_gpus_per_node"]
-    accumulation = max(1, values["train_batch_size"] // (values["micro_train_batch_size"] * ranks))
-    train = min(ranks, MAX_RANKS) * accumulation
+    micro_batches = values["micro_train_batch_size"] * data_parallel(ranks, values)
+    accumulation = max(1, values["train_batch_size"] // micro_batches)
+    train = data_parallel(ranks, values, rehearsed=True) * accumulation
     new = {"micro_train_batch_size": (1, "memory of a CPU rank"),
            "train_batch_size": (train, f"same gradient accumulation ({accumulation} micro-batches per rank and step)"),
            "max_epochs": (1, f"{REHEARSAL_STEPS} steps"),
@@ -133,8 +143,9 @@ def _offline_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
 def _rl_batch_swaps(values: dict) -> list[tuple[str, Any, str]]:
     """Smaller RL batches with the same gradient accumulation and optimizer steps per rollout."""
     n = values["n_samples_per_prompt"]
-    ranks = min(ranks_of(values, "actor"), MAX_RANKS)
-    accumulation = values["train_batch_size"] // (values["micro_train_batch_size"] * ranks_of(values, "actor"))
+    ranks = data_parallel(ranks_of(values, "actor"), values, rehearsed=True)
+    accumulation = values["train_batch_size"] // (values["micro_train_batch_size"]
+                                                   * data_parallel(ranks_of(values, "actor"), values))
     steps_per_rollout = values["rollout_batch_size"] * n // values["train_batch_size"]
     micro = 1
     train = micro * ranks * accumulation

@@ -255,7 +255,7 @@ class TrainingConfig(StageConfig):
     )
 
     def train_world_sizes(self) -> dict[str, int]:
-        """Ranks of each trained model, keyed by the flags that set them (data-parallel ranks: these / --ring_attn_size)."""
+        """Ranks of each trained model, keyed by the flags that set them (data-parallel: these / --ring_attn_size)."""
         raise NotImplementedError
 
     def model_world_sizes(self) -> dict[str, int]:

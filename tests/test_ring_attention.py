@@ -129,7 +129,8 @@ def test_ppo_in_rings_takes_the_steps_of_one_rank(tmp_path, assets, sft_model, r
     runs = {}
     for ring in (1, 2):
         out = tmp_path / f"ring{ring}"
-        ranks = [flag for role in ("actor", "ref", "critic", "reward") for flag in (f"--{role}_num_gpus_per_node", ring)]
+        ranks = [flag for role in ("actor", "ref", "critic", "reward")
+                 for flag in (f"--{role}_num_gpus_per_node", ring)]
         proc = run_stage("rl", "--pretrain", sft_model, "--reward_pretrain", reward_model, "--prompt_data",
                          assets["prompts_train"], "--advantage_estimator", "gae", "--no_use_kl_loss",
                          "--critic_learning_rate", "3e-4", "--packing_samples", "--ring_attn_size", ring, *ranks,

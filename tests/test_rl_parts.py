@@ -204,6 +204,13 @@ def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
     fixture = Path(values["prompt_data"]).read_text()
     assert f'"context_messages": [{{"role": "user", "content": "{first_prompt}"}}]' in fixture.splitlines()[0]
     RLConfig.model_validate(values)  # the rehearsal is a valid config
+    # Rings of 4 of the 8 GPUs (2 data-parallel ranks, 8 micro-batches each per step): one ring of the 2 CPU ranks,
+    # one data-parallel rank with the same 8 micro-batches per step.
+    ring = {**preset, "ring_attn_size": 4, "packing_samples": True}
+    values, swaps = rehearse_stage("rl", ring, stand_ins)
+    assert {swap.field: swap.after for swap in swaps}["ring_attn_size"] == 2
+    assert values["train_batch_size"] == values["micro_train_batch_size"] * 1 * 8
+    RLConfig.model_validate(values)
 
 
 def test_a_non_finite_loss_stops_the_stage_naming_the_step_and_the_checkpoint_kept(tmp_path):
