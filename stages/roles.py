@@ -123,6 +123,8 @@ class PolicyWorker(TrainedRole):
 
     tag = "actor"
     aux_key = "aux_loss"
+    _sharing: Iterator | None = None  # the walk of the weights a shared sync is in (share_bucket)
+    _held = None  # the bucket the engines are opening (stages.weight_sync.HeldBucket)
 
     def learning_rate(self) -> float:
         return self.cfg.actor_learning_rate
@@ -278,6 +280,35 @@ class PolicyWorker(TrainedRole):
                                       store=self._sync_store,
                                       device=torch.device("cuda", torch.cuda.current_device())
                                       if backend == "nccl" else None)
+
+    @torch.no_grad()
+    def share_bucket(self, index: int, bucket: list):
+        """Shared sync (engines on this rank's device): bucket `index` of the walk of the weights (the first
+        starts a walk; every rank walks, for ZeRO-3's gathers) laid out on this rank's device, as a handle the
+        engines there open. The previous bucket is released."""
+        from stages.weight_sync import share_bucket
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        if index == 0:
+            self.release_shared()  # a walk an error left open
+            self._sharing = self._sync_weights(device)
+        elif self._held is not None:
+            self._held.release()
+        tensors = []
+        for expected, _, _ in bucket:
+            name, weight = next(self._sharing)
+            assert name == expected, f"weight sync out of step: {name} where the plan has {expected}"
+            tensors.append(weight)
+        self._held, shared = share_bucket(tensors, device)
+        return shared
+
+    @torch.no_grad()  # the walk's contexts restore the grad mode they found, no_grad: close it inside one
+    def release_shared(self) -> None:
+        if self._sharing is not None:
+            self._sharing.close()
+        if self._held is not None:
+            self._held.release()
+        self._held = self._sharing = None
 
     @torch.no_grad()
     def broadcast_weights(self, buckets: list) -> None:
@@ -617,6 +648,7 @@ class Roles:
         )
         self.sequential = models_take_turns(cfg, device)
         self.buckets: list = []
+        self.shared_sync = False  # set by open_weight_sync
         # Every rank joins its group and loads its model right away; start() waits for them.
         self._joined = [ref for group in self.groups.values() for ref in group.rendezvous()]
         cfg_dict = cfg.model_dump()
@@ -644,19 +676,21 @@ class Roles:
         return self.groups.get(role)
 
     def open_weight_sync(self, backend: str) -> int:
-        """Join actor rank 0 and every engine worker in the weight-sync group; returns the bytes one sync sends.
+        """Plan the buckets and, for engines on GPUs (CPU cores) of their own, join actor rank 0 and every engine
+        worker in the weight-sync group over `backend`; returns the bytes of one sync.
 
-        NCCL cannot put two ranks of one group on the same GPU: with the engines on the actor's GPUs
-        (--colocate_all_models) the sync goes through host memory over gloo.
+        Engines on the actor's GPUs (--colocate_all_models) open the actor ranks' own copies instead: CUDA IPC
+        handles on GPUs, shared memory on CPU (stages/weight_sync.py), whatever --vllm_sync_backend says (NCCL cannot
+        join two ranks on one GPU anyway).
         """
         from stages.weight_sync import bucket_bytes_total
 
-        if backend == "nccl" and self.cfg.colocate_all_models:
-            print("[rl] --vllm_sync_backend nccl: the engines share the actor's GPUs (--colocate_all_models), "
-                  "where NCCL cannot join two ranks on one GPU; weights go through host memory over gloo", flush=True)
-            backend = "gloo"
-
         self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
+        self.shared_sync = self.cfg.colocate_all_models
+        if self.shared_sync:
+            print("[rl] weight sync: the engines share the actor's devices (--colocate_all_models) and open its "
+                  "ranks' weights in place (CUDA IPC on GPUs, shared memory on CPU), no transfer", flush=True)
+            return bucket_bytes_total(self.buckets)
         tp = self.cfg.vllm_tensor_parallel_size
         world = 1 + len(self.engines) * tp
         addr, port = ray.get(self.actor.on_rank(0, "weight_sync_endpoint", world))
@@ -667,8 +701,14 @@ class Roles:
 
     def sync_weights(self) -> None:
         """The actor's current weights into every engine, bucket by bucket."""
-        ray.get(self.actor.run_async("broadcast_weights", self.buckets)
-                + [engine.receive_weights.remote(self.buckets) for engine in self.engines])
+        if not self.shared_sync:
+            ray.get(self.actor.run_async("broadcast_weights", self.buckets)
+                    + [engine.receive_weights.remote(self.buckets) for engine in self.engines])
+            return
+        for index, bucket in enumerate(self.buckets):  # each rank keeps one bucket shared until the engines took it
+            shared = ray.get(self.actor.run_async("share_bucket", index, bucket))
+            ray.get([engine.receive_shared.remote(bucket, shared) for engine in self.engines])
+        ray.get(self.actor.run_async("release_shared"))
 
     def engines_call(self, method: str, *args: Any) -> None:
         ray.get([getattr(engine, method).remote(*args) for engine in self.engines])

@@ -86,6 +86,7 @@ class RolloutEngine(Protocol):
     def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
                          backend: str) -> None: ...
     def receive_weights(self, buckets: list) -> None: ...
+    def receive_shared(self, bucket: list, shared: list) -> None: ...
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
     def update_weights_from_path(self, path: str) -> None: ...
     def sleep(self) -> None: ...
@@ -259,6 +260,12 @@ class VLLMEngine(PromptGeneration):
         self.llm.collective_rpc("receive_weights", args=(buckets, self.tied_weights))
         self._forget_cached_prompts()
 
+    def receive_shared(self, bucket: list, shared: list) -> None:
+        """Load one bucket in place from the handles the actor ranks share (stages/weight_sync.py)."""
+        self.wake_up(["weights"])
+        self.llm.collective_rpc("receive_shared", args=(bucket, shared, self.tied_weights))
+        self._forget_cached_prompts()
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full HF-named state dict in place (vLLM fuses and shards it as when loading a checkpoint)."""
         weights = dict(state_dict)
@@ -384,6 +391,13 @@ class HFEngine(PromptGeneration):
 
         self.wake_up()
         self.update_weights(dict(receive_buckets(self._weight_sync_group, buckets)))
+
+    @torch.no_grad()
+    def receive_shared(self, bucket: list, shared: list) -> None:
+        from stages.weight_sync import open_shared
+
+        self.wake_up()
+        self.update_weights(dict(open_shared(shared, bucket, self.device)))
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

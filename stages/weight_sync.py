@@ -8,11 +8,17 @@ bucket (ZeRO-3) and rank 0 broadcasts it as one flat tensor; each engine worker 
 to the model's weight loader as they arrive, so neither side ever holds a second copy of the whole model.
 
 `--vllm_sync_backend` picks the group's backend: nccl between GPUs, gloo on CPU.
+
+Engines colocated with the actor (--colocate_all_models) need no transfer: each actor rank lays a bucket out on
+its own device and hands the engines a handle to it, which an engine worker on the same device opens
+(`share_bucket` / `open_shared`): a CUDA IPC handle on GPUs (as OpenRLHF), read in place; a shared-memory segment
+on CPU, copied out once. The handles travel through Ray; the weights do not.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -100,11 +106,90 @@ def receive_buckets(group: SyncGroup, buckets: list[list[BucketEntry]]) -> Itera
         flat = torch.empty(sum(torch.Size(shape).numel() for _, shape, _ in bucket), dtype=dtype,
                            device=group.device)
         _broadcast(group, flat)
-        offset = 0
-        for name, shape, _ in bucket:
-            count = torch.Size(shape).numel()
-            yield name, flat[offset : offset + count].view(shape)
-            offset += count
+        yield from _unflatten(flat, bucket)
+
+
+def _unflatten(flat: torch.Tensor, bucket: list[BucketEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = 0
+    for name, shape, _ in bucket:
+        count = torch.Size(shape).numel()
+        yield name, flat[offset : offset + count].view(shape)
+        offset += count
+
+
+@dataclass(frozen=True)
+class SharedBucket:
+    """A bucket laid out on an actor rank's device, as a handle another process there opens."""
+
+    location: str  # the GPU's UUID, or the machine's host name for host memory
+    handle: Any  # CUDA: torch's (rebuild function, arguments) of an IPC handle; CPU: (segment name, dtype, numel)
+
+
+class HeldBucket:
+    """What the actor rank keeps while engines open a bucket: the tensor, and on CPU its shared-memory segment,
+    which the rank alone creates and removes (`release`), whoever opened it."""
+
+    def __init__(self, tensor: torch.Tensor, segment=None):
+        self.tensor, self.segment = tensor, segment
+
+    def release(self) -> None:
+        self.tensor = None  # the segment's buffer cannot close while a tensor views it
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+
+def location(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"gpu {torch.cuda.get_device_properties(device).uuid}"
+    return f"host {socket.gethostname()}"
+
+
+def share_bucket(tensors: list[torch.Tensor], device: torch.device) -> tuple[HeldBucket, SharedBucket]:
+    """Actor side: the tensors laid end to end on `device` and the handle to them. Hold the bucket until every
+    engine has loaded it, then release it."""
+    if device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
+        return HeldBucket(flat), SharedBucket(location(device), reduce_tensor(flat))
+    from multiprocessing import shared_memory
+
+    dtype, count = tensors[0].dtype, sum(t.numel() for t in tensors)
+    segment = shared_memory.SharedMemory(create=True, size=count * tensors[0].element_size())
+    flat = torch.frombuffer(segment.buf, dtype=dtype, count=count)
+    torch.cat([t.detach().reshape(-1).cpu() for t in tensors], out=flat)
+    return HeldBucket(flat, segment), SharedBucket(location(device), (segment.name, str(dtype).removeprefix("torch."),
+                                                                      count))
+
+
+def open_shared(shared: list[SharedBucket], bucket: list[BucketEntry],
+                device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Engine side: (name, tensor) of every parameter of `bucket`, from what an actor rank on this process's
+    device shares: views of its GPU memory (CUDA IPC), or on CPU one copy out of its shared-memory segment."""
+    here = location(device)
+    match = next((item for item in shared if item.location == here), None)
+    if match is None:
+        raise RuntimeError(f"weight sync: no actor rank shares weights on {here} (shared on "
+                           f"{sorted({item.location for item in shared})}): the engines must be colocated with it")
+    if device.type == "cuda":
+        rebuild, args = match.handle
+        args = list(args)
+        args[6] = device.index if device.index is not None else torch.cuda.current_device()  # this process's number
+        flat = rebuild(*args)
+    else:
+        from multiprocessing import resource_tracker, shared_memory
+
+        name, dtype, count = match.handle
+        segment = shared_memory.SharedMemory(name=name)
+        # The actor rank removes the segment; this process's tracker would remove it again when it exits.
+        resource_tracker.unregister(segment._name, "shared_memory")
+        try:
+            flat = torch.frombuffer(segment.buf, dtype=_DTYPES[dtype], count=count).clone()
+        finally:
+            segment.close()
+    yield from _unflatten(flat, bucket)
 
 
 def with_tied(weights: Iterable[tuple[str, torch.Tensor]], tied: dict[str, str]) -> Iterator[tuple[str, Any]]:
@@ -133,3 +218,6 @@ class VLLMWeightReceiver:
     def receive_weights(self, buckets: list[list[BucketEntry]], tied: dict[str, str]) -> None:
         weights = with_tied(receive_buckets(self._weight_sync_group, buckets), tied)
         self.model_runner.reload_weights(weights_iterator=weights)
+
+    def receive_shared(self, bucket: list[BucketEntry], shared: list[SharedBucket], tied: dict[str, str]) -> None:
+        self.model_runner.reload_weights(weights_iterator=with_tied(open_shared(shared, bucket, self.device), tied))

@@ -178,11 +178,13 @@ def test_the_ema_output_averages_the_initial_and_the_trained_weights(tmp_path, a
         ("reinforce_baseline", ("--kl_estimator", "k2", *ASYNC, "--async_queue_size", 2, "--partial_rollout",
                                 "--partial_rollout_segment_len", 2, "--enable_vllm_is_correction",
                                 "--vllm_is_correction_type", "icepop"), 0.4),
-        # The actor as LoRA adapters (merged weights go to a vLLM engine), packed forwards, ZeRO-3, micro-batches by
-        # token budget (about 8 and 16 sequences).
+        # The actor as LoRA adapters (merged weights go to a vLLM engine on the actor's cores, which opens them in
+        # shared memory), packed forwards, ZeRO-3, micro-batches by token budget (about 8 and 16 sequences); the
+        # engine's log-probs against the actor's tell whether it holds the actor's weights at every step.
         ("dr_grpo", ("--lora_rank", 8, "--lora_alpha", 16, "--actor_learning_rate", "2e-3", "--packing_samples",
                      "--zero_stage", 3, "--rollout_backend", "vllm", "--use_dynamic_batch",
-                     "--train_max_tokens_per_gpu", 256, "--rollout_max_tokens_per_gpu", 512), 0.4),
+                     "--train_max_tokens_per_gpu", 256, "--rollout_max_tokens_per_gpu", 512,
+                     "--enable_vllm_is_correction"), 0.4),
     ],
 )
 def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, estimator, flags, margin):
@@ -207,6 +209,8 @@ def test_each_estimator_raises_held_out_accuracy(tmp_path, assets, sft_model, es
         lowest = 0 if "--partial_rollout" in flags else 1
         assert history[0]["policy_lag"] == 0 and all(r["policy_lag"] >= lowest for r in history[1:])
         assert all(0 < r["is_weight"] < 5 for r in history)
+    elif "--enable_vllm_is_correction" in flags:  # synchronous: the engine samples with the weights just synced
+        assert all(abs(r["vllm_kl"]) < 1e-4 for r in history), [r["vllm_kl"] for r in history]
     assert all(("mixed_version_samples" in r) == ("--partial_rollout" in flags) for r in history)
 
 

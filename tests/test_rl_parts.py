@@ -4,6 +4,9 @@ weight-sync buckets and the CPU rehearsal of a GPU preset."""
 from __future__ import annotations
 
 import json
+import pickle
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -20,7 +23,7 @@ from stages.placement import models_take_turns, placement_plan, rank_processes
 from stages.roles import ending_with_eos, reward_normalization
 from stages.rollout_queue import RolloutQueue
 from stages.tiny import build_tiny_datasets
-from stages.weight_sync import bucket_bytes_total, plan_buckets
+from stages.weight_sync import SharedBucket, bucket_bytes_total, open_shared, plan_buckets, share_bucket
 
 TINY = ["--config", "tiny"]
 
@@ -182,6 +185,28 @@ def test_weight_sync_buckets_keep_order_dtype_and_size():
     buckets = plan_buckets(params, bucket_bytes=1024)
     assert [[name for name, _, _ in bucket] for bucket in buckets] == [["a"], ["b"], ["c", "d"], ["e"]]
     assert bucket_bytes_total(buckets) == (16 + 1000 + 300) * 4 + 12 * 2
+
+
+def test_a_shared_bucket_opens_as_the_same_weights_and_its_segment_goes_with_its_release():
+    """Colocated engines' sync on CPU: the actor rank's bucket in a shared-memory segment, opened by name; the rank
+    removes the segment when the engines are done, so a sync leaves nothing behind in /dev/shm."""
+    tensors = [torch.arange(6.0).view(2, 3), torch.full((4,), 0.5)]
+    bucket = [("a", (2, 3), "float32"), ("b", (4,), "float32")]
+    held, shared = share_bucket(tensors, torch.device("cpu"))
+    # Opened by another process, as an engine does (one of this process would share its resource tracker).
+    opener = ("import pickle, sys, torch; from stages.weight_sync import open_shared; "
+              "shared, bucket = pickle.loads(sys.stdin.buffer.read()); "
+              "print({name: t.tolist() for name, t in open_shared([shared], bucket, torch.device('cpu'))})")
+    proc = subprocess.run([sys.executable, "-c", opener], input=pickle.dumps((shared, bucket)), capture_output=True,
+                          cwd=Path(__file__).parents[1], check=True)
+    assert proc.stdout.decode().strip() == str({"a": tensors[0].tolist(), "b": tensors[1].tolist()})
+    assert proc.stderr == b""
+    segment = Path("/dev/shm") / shared.handle[0]
+    assert segment.exists()
+    held.release()
+    assert not segment.exists()
+    with pytest.raises(RuntimeError, match="no actor rank shares weights on host .* the engines must be colocated"):
+        list(open_shared([SharedBucket("gpu 0000", None)], bucket, torch.device("cpu")))
 
 
 def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
