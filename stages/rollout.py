@@ -398,6 +398,8 @@ class HFEngine(PromptGeneration):
 
         self.wake_up()
         self.update_weights(dict(open_shared(shared, bucket, self.device)))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies out of the actor's memory are done before it frees the bucket
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

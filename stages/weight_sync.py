@@ -221,3 +221,5 @@ class VLLMWeightReceiver:
 
     def receive_shared(self, bucket: list[BucketEntry], shared: list[SharedBucket], tied: dict[str, str]) -> None:
         self.model_runner.reload_weights(weights_iterator=with_tied(open_shared(shared, bucket, self.device), tied))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies out of the actor's memory are done before it frees the bucket
