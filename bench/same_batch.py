@@ -6,7 +6,7 @@ The accuracy rows of `python -m bench` compare two trainers through their sampli
 updates with the noise taken out. One batch is sampled from DIR (32 prompts x 4 answers of at most 8 tokens, the
 bench's shape) and scored with the tiny task's rule reward; then on that batch:
 - advantages: ours (stages.algorithms, group_norm) against TRL's group formula, (r - mean) / (std + 1e-4);
-- loss and gradient: ours (the actor's forward and token losses of stages.roles) against TRL's own `_compute_loss`
+- loss and gradient: ours (the actor's forward and token losses of stages.rl.roles) against TRL's own `_compute_loss`
   (loss_type dapo, KL 0.01 k3 to a reference moved off the policy so that the KL term counts);
 - one optimizer step from the same loss: our DeepSpeed engine (ZeRO-2, AdamW, clipping 1.0) against torch AdamW
   with `clip_grad_norm_`, what the HF Trainer under TRL runs.
@@ -25,7 +25,8 @@ import torch
 
 from infra.ray_cluster import free_port
 from stages import algorithms as algo
-from stages.roles import policy_forward
+from stages.rl import algorithms as rl_algo
+from stages.rl.roles import policy_forward
 from stages.sequences import build_sequences
 from stages.tiny import reward_func
 
@@ -61,14 +62,14 @@ def our_loss(model, ref, prompt_ids, responses, rewards, pad_id: int) -> tuple[t
     """(loss, per-sample advantage): the RL stage's actor loss on the batch as one optimizer step."""
     batch = build_sequences(prompt_ids, responses, pad_id)
     mask = batch["action_mask"]
-    advantages, _ = algo.compute_advantages("group_norm", rewards, mask, n_samples_per_prompt=SAMPLES)
+    advantages, _ = rl_algo.compute_advantages("group_norm", rewards, mask, n_samples_per_prompt=SAMPLES)
     with torch.no_grad():
         ref_logp, _ = policy_forward(ref, batch, 1.0, False)
     logp, _ = policy_forward(model, batch, 1.0, False)
-    loss_t, _ = algo.policy_loss(logp, logp.detach(), advantages)
+    loss_t, _ = rl_algo.policy_loss(logp, logp.detach(), advantages)
     tokens = mask.sum()
     loss = (algo.aggregate_token_loss(loss_t, mask, tokens)
-            + KL_COEF * algo.aggregate_token_loss(algo.compute_kl(logp, ref_logp, "k3"), mask, tokens))
+            + KL_COEF * algo.aggregate_token_loss(rl_algo.compute_kl(logp, ref_logp, "k3"), mask, tokens))
     return loss, algo.masked_sum(advantages, mask, dim=1) / mask.sum(1).clamp(min=1)
 
 

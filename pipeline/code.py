@@ -15,10 +15,13 @@ import hashlib
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The project's own top-level packages. Installed from a wheel they sit in site-packages beside every other
+# distribution, so a module counts as the project's only under one of these (or the entry's own package).
+PROJECT_PACKAGES = ("infra", "stages", "pipeline", "tasks", "flows")
 
 
 def module_file(root: Path, name: str) -> Path | None:
-    """The source file of project module `name` under `root`, or None (not a project module)."""
+    """The source file of module `name` under `root`, or None."""
     path = root / Path(*name.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.is_file():
@@ -63,16 +66,24 @@ def imported_modules(root: Path, name: str, tree: ast.Module, *, entry: bool) ->
     return found
 
 
+def entry_module(name: str, root: Path = PROJECT_ROOT) -> str:
+    """What `python -m name` runs: module `name`, or the `__main__` module of package `name`."""
+    path = module_file(root, name)
+    if path is None:
+        raise ValueError(f"no module {name} under {root}")
+    return f"{name}.__main__" if path.name == "__init__.py" and (path.parent / "__main__.py").is_file() else name
+
+
 def module_closure(entry: str, root: Path = PROJECT_ROOT) -> dict[str, ast.Module]:
-    """Parsed source of module `entry` and of every project module it reaches through imports."""
-    if module_file(root, entry) is None:
-        raise ValueError(f"no module {entry} under {root}")
+    """Parsed source of what `python -m entry` runs and of every project module it reaches through imports."""
+    entry = entry_module(entry, root)
+    packages = {entry.split(".")[0], *PROJECT_PACKAGES}
     parts = entry.split(".")
     pending = [".".join(parts[:i]) for i in range(1, len(parts))] + [entry]
     trees: dict[str, ast.Module] = {}
     while pending:
         name = pending.pop()
-        if name in trees or module_file(root, name) is None:
+        if name in trees or name.split(".")[0] not in packages or module_file(root, name) is None:
             continue
         trees[name] = ast.parse(module_file(root, name).read_text(), filename=str(module_file(root, name)))
         pending += imported_modules(root, name, trees[name], entry=name == entry)

@@ -11,14 +11,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from stages.config import (
-    STAGE_CONFIGS,
     ConfigError,
-    DPOConfig,
-    EvaluateConfig,
-    KTOConfig,
-    RewardModelConfig,
-    RLConfig,
-    SFTConfig,
     StageConfig,
     StrictModel,
     deep_merge,
@@ -28,7 +21,14 @@ from stages.config import (
     resolve_extends,
     validation_messages,
 )
+from stages.dpo.config import DPOConfig
+from stages.evaluate.config import EvaluateConfig
 from stages.fields import RunOverride, names_with
+from stages.kto.config import KTOConfig
+from stages.registry import STAGES
+from stages.reward_model.config import RewardModelConfig
+from stages.rl.config import RLConfig
+from stages.sft.config import SFTConfig
 
 # ---------------------------------------------------------------- pipeline shapes
 #
@@ -48,7 +48,7 @@ PIPELINE_SHAPES: dict[str, tuple[str, ...]] = {
 }
 PipelineShape = Literal[tuple(PIPELINE_SHAPES)]  # type: ignore[valid-type]
 # The stages whose output is the candidate policy; a shape has exactly one.
-POLICY_STAGES = ("rl", "dpo", "kto")
+POLICY_STAGES = tuple(stage for stage, cls in STAGES.items() if cls.trains_policy)
 # (stage, field) <- the stages whose output fills it, the first one in the shape winning.
 STAGE_INPUTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("reward_model", "pretrain"): ("sft",),  # the reward model starts from the SFT model
@@ -61,26 +61,9 @@ STAGE_INPUTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("evaluate", "reward_pretrain"): ("reward_model",),
 }
 # (stage, field) <- tiny asset that fills it when the config leaves it unset, no stage feeds it and tiny_assets_dir
-# is set. "rule_reward" is the tiny task's reward function (stages/tiny_reward.py).
+# is set: what each stage declares (StageConfig.tiny_assets).
 TINY_ASSET_FIELDS: dict[tuple[str, str], str] = {
-    ("sft", "pretrain"): "model",
-    ("sft", "dataset"): "sft_train",
-    ("sft", "eval_dataset"): "sft_eval",
-    ("reward_model", "pretrain"): "model",
-    ("reward_model", "dataset"): "pref_train",
-    ("reward_model", "eval_dataset"): "pref_eval",
-    ("dpo", "pretrain"): "model",
-    ("dpo", "dataset"): "pref_train",
-    ("dpo", "eval_dataset"): "pref_eval",
-    ("kto", "pretrain"): "model",
-    ("kto", "dataset"): "kto_train",
-    ("kto", "eval_dataset"): "kto_eval",
-    ("rl", "pretrain"): "model",
-    ("rl", "prompt_data"): "prompts_train",
-    ("rl", "remote_rm_url"): "rule_reward",
-    ("evaluate", "ref_pretrain"): "model",
-    ("evaluate", "prompt_data"): "prompts_eval",
-    ("evaluate", "remote_rm_url"): "rule_reward",
+    (stage, field): asset for stage, cls in STAGES.items() for field, asset in cls.tiny_assets.items()
 }
 
 
@@ -211,8 +194,8 @@ def load_preset(name_or_path: str) -> dict:
     unknown = sorted(set(data) - set(PipelineConfig.model_fields))
     if unknown:
         raise ConfigError(
-            f"{path}: unknown keys {', '.join(unknown)}; expected stage sections ({', '.join(STAGE_CONFIGS)}) "
-            f"or pipeline keys ({', '.join(k for k in PipelineConfig.model_fields if k not in STAGE_CONFIGS)})"
+            f"{path}: unknown keys {', '.join(unknown)}; expected stage sections ({', '.join(STAGES)}) "
+            f"or pipeline keys ({', '.join(k for k in PipelineConfig.model_fields if k not in STAGES)})"
         )
     return {**data, **preset_sections(path, data)}
 
@@ -237,8 +220,8 @@ def refused_overrides(deployed: PipelineConfig, requested: PipelineConfig) -> li
     ours, theirs = deployed.model_dump(mode="json"), requested.model_dump(mode="json")
     refused = []
     for key, value in ours.items():
-        if key in STAGE_CONFIGS:
-            allowed = names_with(STAGE_CONFIGS[key], RunOverride)
+        if key in STAGES:
+            allowed = names_with(STAGES[key], RunOverride)
             refused += [f"{key}.{field}" for field, default in value.items()
                         if theirs[key][field] != default and field not in allowed]
         elif isinstance(value, dict):
@@ -250,4 +233,4 @@ def refused_overrides(deployed: PipelineConfig, requested: PipelineConfig) -> li
 
 def run_overrides() -> list[str]:
     """What a deployment run may set otherwise than its deployment: `field` (stages that have it)."""
-    return sorted({field for cls in STAGE_CONFIGS.values() for field in names_with(cls, RunOverride)})
+    return sorted({field for cls in STAGES.values() for field in names_with(cls, RunOverride)})

@@ -18,9 +18,9 @@ from infra.artifacts import DatasetRef, Manifest
 from infra.settings import Settings
 from pipeline.code import code_version
 from pipeline.config import PipelineConfig, shape_inputs
-from stages.config import STAGE_CONFIGS
 from stages.fields import Dataset, Output, RewardSource, fields_with, names_with
 from stages.fingerprint import dataset_fingerprint
+from stages.registry import STAGES
 
 
 class StageResult(BaseModel):
@@ -56,7 +56,7 @@ def stage_code_version(settings: Settings, stage: str) -> str:
 
 def config_class(stage: str, config: BaseModel | dict) -> type[BaseModel] | None:
     """The config class whose field roles apply: the model's own, else the stage's (None for an unknown stage)."""
-    return type(config) if isinstance(config, BaseModel) else STAGE_CONFIGS.get(stage)
+    return type(config) if isinstance(config, BaseModel) else STAGES.get(stage)
 
 
 def stage_key(pipeline: str, stage: str, config: dict, input_digests: dict[str, str], code: str,
@@ -64,7 +64,7 @@ def stage_key(pipeline: str, stage: str, config: dict, input_digests: dict[str, 
     """Identity of a stage's work: same key, same output. `input_digests` maps each config field fed by an input
     artifact to its digest (its URI is left out, the digest counts); `data` maps each data field to its fingerprint.
     Output fields (where the stage writes) are left out."""
-    cls = STAGE_CONFIGS.get(stage)
+    cls = STAGES.get(stage)
     outputs = names_with(cls, Output) if cls is not None else frozenset()
     keyed_config = {k: v for k, v in config.items() if k not in outputs and k not in input_digests}
     payload = json.dumps(

@@ -23,7 +23,6 @@ tell never stands in for one. What the plan shows is redacted (infra/secrets.py)
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shlex
@@ -42,18 +41,21 @@ from pipeline.identity import StageResult, stage_code_version, stage_identity, s
 from pipeline.memory import GIB, ModelShape, render, rl_memory
 from pipeline.prepare import prepare
 from stages.cli import flag_words
-from stages.config import STAGE_CONFIGS, StageConfig
+from stages.config import StageConfig
 from stages.errors import DataValidationError, StageInputError
 from stages.fields import Dataset, Launcher, Output, RewardSource, fields_with, names_with
-from stages.fingerprint import (HubUnavailable, dataset_fingerprint, mixture_parts, pin_hub_revision,
-                                unpinned_hub_dataset)
+from stages.fingerprint import (
+    HubUnavailable,
+    dataset_fingerprint,
+    mixture_parts,
+    pin_hub_revision,
+    unpinned_hub_dataset,
+)
 from stages.placement import bundle_resources, group_bundles
+from stages.registry import STAGES
 
 PLAN_ROWS = 64  # rows of each dataset whose schema the plan checks
 HUB_UNREACHABLE = "the hub cannot be reached from here (the stage's job reads it on the cluster)"
-# The flags that set how many bundles a stage asks for, for messages when they do not fit.
-RANK_FLAGS = {"rl": "*_num_nodes × *_num_gpus_per_node, vllm_num_engines × vllm_tensor_parallel_size",
-              "evaluate": "vllm_num_engines × vllm_tensor_parallel_size, num_gpus_per_node"}
 NODE_WAIT_S = 15.0  # a head started a moment ago lists its node within a few seconds
 
 
@@ -166,15 +168,15 @@ def cluster_resources(ray_address: str | None, settings: Settings, *, local_bind
 
 def ray_request(stage: str, cfg: StageConfig, device: str, cores: float) -> tuple[int, dict[str, float]]:
     """(bundles, one bundle) that `stage` places with `cfg`, as its entrypoint does (stages/placement.py)."""
-    bundles = sum(group_bundles(stage, cfg).values())
-    return bundles, bundle_resources(stage, device, bundles, cores)
+    bundles = sum(group_bundles(cfg).values())
+    return bundles, bundle_resources(cfg, device, bundles, cores)
 
 
 # ---------------------------------------------------------------------------------------------- commands
 
 def command_line(stage: str, values: dict, settings: Settings, width: int = 110) -> str:
     """`python -m <prefix>.<stage>` with a flag for every value that differs from the stage's default, wrapped."""
-    cls = STAGE_CONFIGS[stage]
+    cls = STAGES[stage]
     hidden = names_with(cls, Output, Launcher)  # the task sets outputs itself; a launcher its --local_rank
     units = [f"python -m {settings.stage_module_prefix}.{stage}"]
     for name, value in values.items():
@@ -212,7 +214,6 @@ def _first_rows(source: str, split: str, fingerprint: str):
 
 def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[DatasetCheck]:
     """Fingerprint and schema-check every dataset the stage reads; failures go to `problems`."""
-    validate_rows = importlib.import_module(f"stages.{stage}").validate_rows  # what the stage itself checks
     checks = []
     values = cfg.model_dump()
     datasets = sorted(fields_with(type(cfg), Dataset).items(), key=lambda item: item[1].held_out)  # training first
@@ -230,7 +231,7 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
             continue
         try:
             rows = _first_rows(source, values[role.split], fingerprint)
-            validate_rows(cfg, rows, source)
+            cfg.validate_rows(rows, source)  # what the stage itself checks
             result = f"ok ({len(rows)} rows)"
         except DataValidationError as error:
             problems.append(f"{stage}.{field}: {error}")
@@ -252,7 +253,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
     config, unpinned = pin_hub_datasets(config, problems, notes, must_pin=cluster.binding)
     check_reward_sources(config, settings, problems)
     wiring = shape_inputs(config.shape)
-    unused = [s for s in STAGE_CONFIGS if s not in config.stages]
+    unused = [s for s in STAGES if s not in config.stages]
     if unused:
         notes.append(f"sections not in shape {config.shape}: {', '.join(unused)} (not run)")
     for stage, fed in wiring.items():
@@ -422,7 +423,7 @@ def _check_fit(stage: str, device: str, bundles: int, bundle: dict[str, float], 
     if device == "cuda" and not cluster.gpus:
         fields = f"{stage}.device cuda"
     else:
-        fields = f"{stage}.{RANK_FLAGS.get(stage, 'num_nodes × num_gpus_per_node')}"
+        fields = f"{stage}.{STAGES[stage].rank_flags}"
     message = f"{fields}: {stage} asks {bundles} bundle(s), {', '.join(short)}, of {cluster.where}"
     (problems if cluster.binding else notes).append(
         message if cluster.binding else message + "; set RLHF_RAY_ADDRESS to plan against the cluster it runs on"

@@ -33,17 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, shape_inputs, validate_pipeline
-from stages.config import OFFLINE_STAGES, STAGE_CONFIGS
 from stages.fields import Dataset, ModelPath, fields_with
 from stages.fingerprint import mixture_parts
+from stages.registry import OFFLINE_STAGES, STAGES
 
 MAX_RANKS = 2
 PROMPT_MAX_LEN = 48  # the tiny model has 128 positions; the task's prompts are under 40 tokens
 GENERATE_MAX_LEN = 8
 REHEARSAL_STEPS = 2
 EVAL_PROMPTS = 16
-# The tiny rows (stages.tiny.DATASET_FILES) that each stage's fixtures are made of.
-ROW_KINDS = {"sft": "sft", "reward_model": "pref", "dpo": "pref", "kto": "kto", "rl": "prompts", "evaluate": "prompts"}
 
 
 @dataclass(frozen=True)
@@ -192,7 +190,7 @@ BATCH_RULES = {**{stage: _offline_batch_swaps for stage in OFFLINE_STAGES}, "rl"
 
 def _model_swaps(stage: str, values: dict, stand_ins: StandIns, wired: set[str]) -> list[tuple[str, Any, str]]:
     return [(field, stand_ins.model(role.kind), f"the tiny model as the {role.kind} model")
-            for field, role in fields_with(STAGE_CONFIGS[stage], ModelPath).items()
+            for field, role in fields_with(STAGES[stage], ModelPath).items()
             if values.get(field) and field not in wired]
 
 
@@ -209,7 +207,7 @@ def _chat(text: str, as_messages: bool) -> str | list[dict]:
 def fixture_rows(stage: str, values: dict, rows: list[dict]) -> list[dict]:
     """Tiny rows under the stage config's column names and in its format."""
     chat = bool(values.get("apply_chat_template"))
-    kind = ROW_KINDS[stage]
+    kind = STAGES[stage].tiny_rows
     if kind == "prompts":
         return [{values["input_key"]: _chat(r["prompt"], chat),
                  **({values["label_key"]: r["label"]} if values.get("label_key") else {})} for r in rows]
@@ -230,19 +228,19 @@ def fixture_rows(stage: str, values: dict, rows: list[dict]) -> list[dict]:
 
 def _data_swaps(stage: str, values: dict, stand_ins: StandIns) -> list[tuple[str, Any, str]]:
     swaps = []
-    for field, role in fields_with(STAGE_CONFIGS[stage], Dataset).items():
+    for field, role in fields_with(STAGES[stage], Dataset).items():
         # A command without prompts (the seed's RL commands) gets them too.
         if not (values.get(field) or (stage, field) == ("rl", "prompt_data")):
             continue
         split = "eval" if role.held_out else "train"
         path = stand_ins.fixtures_dir / f"{stage}_{field}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = fixture_rows(stage, values, _rows(stand_ins, ROW_KINDS[stage], split))
+        rows = fixture_rows(stage, values, _rows(stand_ins, STAGES[stage].tiny_rows, split))
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         columns = ", ".join(repr(column) for column in rows[0])
         # One stand-in per dataset of a mixture: its sampling probabilities still apply.
         stand_in = ",".join([str(path)] * len(mixture_parts(values.get(field) or str(path))))
-        swaps.append((field, stand_in, f"tiny {ROW_KINDS[stage]} rows in the same format (columns {columns})"))
+        swaps.append((field, stand_in, f"tiny {STAGES[stage].tiny_rows} rows in the same format (columns {columns})"))
     return swaps
 
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from stages.config import STAGE_CONFIGS, ConfigError, StageConfig, preset_names, stage_values, validation_messages
+from stages.config import ConfigError, StageConfig, preset_names, stage_values, validation_messages
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -30,7 +30,7 @@ def build_parser(model_cls: type[BaseModel], prog: str | None = None) -> argpars
 
     Unset flags stay out of the namespace, so that a preset's values are only overridden by flags actually given.
     """
-    stage = next((name for name, cls in STAGE_CONFIGS.items() if cls is model_cls), None)
+    stage = getattr(model_cls, "stage", None)
     parser = argparse.ArgumentParser(
         prog=prog or (f"python -m stages.{stage}" if stage else None),
         usage="%(prog)s [--config PRESET_OR_YAML] [--FLAG VALUE ...] (--help lists every flag)",
@@ -105,16 +105,15 @@ def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | st
     raise TypeError(f"field {name}: no command-line form for {annotation!r}")
 
 
-def parse_stage_args(stage: str, argv: list[str] | None = None, *, require_inputs: bool = True) -> StageConfig:
+def parse_stage_args(model_cls: type[StageConfig], argv: list[str] | None = None, *,
+                     require_inputs: bool = True) -> StageConfig:
     """The `stage:` section of --config (or the whole file, when it holds only this stage's flags) overridden by
     the flags in argv, validated.
 
     Exits with code 2 and a message naming the flags on unknown flags, invalid values, impossible combinations
     and (with require_inputs) unset required inputs such as --pretrain.
     """
-    if stage not in STAGE_CONFIGS:
-        raise ValueError(f"unknown stage {stage!r}: one of {', '.join(STAGE_CONFIGS)}")
-    model_cls = STAGE_CONFIGS[stage]
+    stage = model_cls.stage
     parser = build_parser(model_cls)
     argv = sys.argv[1:] if argv is None else list(argv)
     keyed = "--use_wandb" in argv[:-1] and not argv[argv.index("--use_wandb") + 1].startswith("--")

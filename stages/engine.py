@@ -57,7 +57,7 @@ def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch
     data_parallel = world_size // ring
     if train and getattr(cfg, "use_dynamic_batch", False):
         # Micro-batches by token budget, a varying number per optimizer step: no fixed accumulation count, the
-        # trainer marks each step's last micro-batch (stages/roles.py, accumulate).
+        # trainer marks each step's last micro-batch (stages/rl/roles.py, accumulate).
         micro_batch_size, train_batch_size = 1, data_parallel
     zero: dict[str, Any] = {"stage": stage}
     if train and getattr(cfg, "adam_offload", False):

@@ -114,15 +114,16 @@ def writer_lock(lock_path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def stage_main(stage: str, body: Callable[[Any], dict[str, Any]], argv: list[str] | None = None) -> None:
-    """Parse the stage's flags, check its input models, run `body(cfg)` holding the writer lock (rank 0), map
+def stage_main(config_cls: type, body: Callable[[Any], dict[str, Any]], argv: list[str] | None = None) -> None:
+    """Parse the flags of the stage that `config_cls` configures, check its input models, run `body(cfg)` holding the writer lock (rank 0), map
     failures to exit codes. Everything the process prints is redacted with its own (the node's) environment."""
     from stages.cli import parse_stage_args
     from stages.model_io import check_model_inputs
     from stages.tracking import silence_known_noise
 
     redact_streams(Redactor())
-    cfg = parse_stage_args(stage, argv)
+    stage = config_cls.stage
+    cfg = parse_stage_args(config_cls, argv)
     silence_known_noise()
     first_rank = os.environ.get("RANK", "0") == "0"  # under a launcher rank 0 checks and holds the lock
     target = writer_lock_path(cfg.save_path, getattr(cfg, "ckpt_path", None))

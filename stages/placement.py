@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from stages.config import OFFLINE_STAGES, StageConfig
+from stages.config import OfflineTrainingConfig, StageConfig
 
 ENGINES = "engines"  # the rollout engines' share of a placement
 
@@ -60,25 +60,24 @@ def engine_bundles(cfg) -> int:
     return cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
 
 
-def group_bundles(stage: str, cfg: StageConfig) -> dict[str, int]:
+def group_bundles(cfg: StageConfig) -> dict[str, int]:
     """Placement group name -> its bundles: one per rank or engine (tensor-parallel rank) it holds."""
-    if stage in OFFLINE_STAGES:
+    if isinstance(cfg, OfflineTrainingConfig):
         return {"ranks": cfg.world_size}
-    if stage == "rl":
+    if hasattr(cfg, "role_ranks"):  # RL: each role's ranks, or the engines, by the colocation flags
         ranks = cfg.role_ranks()
         return {name: engine_bundles(cfg) if members == [ENGINES] else ranks[members[0]]
                 for name, members in placement_plan(cfg).items()}
-    if stage == "evaluate":  # the engines, and the reward model's ranks when one scores
-        return {ENGINES: engine_bundles(cfg), **({"reward": cfg.world_size} if cfg.reward_pretrain else {})}
-    raise ValueError(f"no placement for stage {stage!r}")
+    # the evaluation: the engines, and the reward model's ranks when one scores
+    return {ENGINES: engine_bundles(cfg), **({"reward": cfg.world_size} if cfg.reward_pretrain else {})}
 
 
-def bundle_resources(stage: str, device: str, total_bundles: int, cores: float) -> dict[str, float]:
-    """One bundle of `stage`: a GPU and a core on GPUs; on CPU a core per offline rank, else an equal share of the
-    cluster's `cores` (at most one) so that `total_bundles` bundles fit."""
+def bundle_resources(cfg: StageConfig, device: str, total_bundles: int, cores: float) -> dict[str, float]:
+    """One bundle of the stage `cfg` configures: a GPU and a core on GPUs; on CPU a core per offline rank, else an
+    equal share of the cluster's `cores` (at most one) so that `total_bundles` bundles fit."""
     if device == "cuda":
         return {"GPU": 1.0, "CPU": 1.0}
-    if stage in OFFLINE_STAGES:
+    if isinstance(cfg, OfflineTrainingConfig):
         return {"CPU": 1.0}
     return {"CPU": math.floor(min(1.0, cores / total_bundles) * 100) / 100}
 

@@ -99,3 +99,8 @@ def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> tor
         else:
             batch[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
     return batch
+
+
+def pair_sequences(examples: list[dict]) -> list[list[int]]:
+    """Chosen sequences, then rejected ones: one forward scores both sides of every pair."""
+    return [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]

@@ -2,7 +2,7 @@
 is told whether the sum is more or less, and the model answers again. An episode succeeds (reward 1) when one of
 its two answers is the sum; `first_try` logs how often the first one was."""
 
-from stages.agents import AgentInstanceBase, MultiTurnAgentExecutor
+from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor
 from stages.tiny import ASSISTANT_TOKEN, USER_TOKEN, extract_answer
 
 TRIES = 2

@@ -58,7 +58,7 @@ REPEATED_NOISE = {
     "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
     # Something in the engine asks for its thread count again; vLLM's CPU worker refuses it each time.
     "vllm.v1.worker.cpu_worker": "doesn't allow to use `torch.set_num_threads`",
-    # On CPU chunked prefill is off on purpose (stages.rollout.whole_prompt_prefill); vLLM warns that it is.
+    # On CPU chunked prefill is off on purpose (stages.rl.rollout.whole_prompt_prefill); vLLM warns that it is.
     "vllm.engine.arg_utils": "does not officially support disabling chunked prefill",
     # --load_in_4bit on CPU: bitsandbytes looks for an optional package of faster kernels in every process and
     # runs its own without it.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.config import RLConfig
+from stages.rl.config import RLConfig
 from stages.sequences import build_sequences
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from stages.agents import AgentError, SamplingParams, load_agent_executor, run_episodes
-from stages.rollout import Extension
+from stages.rl.agents import AgentError, SamplingParams, load_agent_executor, run_episodes
+from stages.rl.rollout import Extension
 from stages.tiny import ASSISTANT_TOKEN, EOS_TOKEN, USER_TOKEN, build_tokenizer
 
 TOKENIZER = build_tokenizer()
@@ -86,7 +86,7 @@ from typing import Any, Dict
 
 import torch
 
-from stages.agents import AgentInstanceBase, MultiTurnAgentExecutor  # was: from openrlhf.utils.agent import ...
+from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor  # was: from openrlhf.utils.agent import ...
 
 
 class AgentInstance(AgentInstanceBase):
@@ -164,7 +164,7 @@ def test_a_broken_agent_stops_the_stage_naming_the_file_the_method_and_the_promp
     body, expected = BROKEN_STEPS[case]
     agent = tmp_path / f"{case}_agent.py"
     agent.write_text(
-        "import asyncio\nimport time\n\nfrom stages.agents import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
+        "import asyncio\nimport time\n\nfrom stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
         "class AgentInstance(AgentInstanceBase):\n    def __init__(self):\n        pass\n\n"
         "    async def step(self, states):\n"
         "        if 'Add' not in states['observation_text']:\n"

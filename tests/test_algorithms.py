@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from stages import algorithms as algo
+from stages.rl import algorithms as rl_algo
 
 
 def close(actual, expected, atol=1e-5):
@@ -41,15 +42,15 @@ def perturb_masked(x, mask, scale=100.0, seed=1):
 def test_kl_estimators_worked_numbers(d, expected):
     logp, ref_logp = torch.tensor([-1.0 + d]), torch.tensor([-1.0])
     for estimator, value in expected.items():
-        close(algo.compute_kl(logp, ref_logp, estimator), [value], atol=1e-6)
+        close(rl_algo.compute_kl(logp, ref_logp, estimator), [value], atol=1e-6)
 
 
 def test_kl_is_clamped_and_gradient_finite():
     logp = torch.tensor([50.0, -50.0, -200.0, 0.0], requires_grad=True)
     ref_logp = torch.zeros(4)
-    close(algo.compute_kl(logp, ref_logp, "k1"), [10.0, -10.0, -10.0, 0.0])
-    close(algo.compute_kl(logp, ref_logp, "k2"), [10.0, 10.0, 10.0, 0.0])
-    k3 = algo.compute_kl(logp, ref_logp, "k3")
+    close(rl_algo.compute_kl(logp, ref_logp, "k1"), [10.0, -10.0, -10.0, 0.0])
+    close(rl_algo.compute_kl(logp, ref_logp, "k2"), [10.0, 10.0, 10.0, 0.0])
+    k3 = rl_algo.compute_kl(logp, ref_logp, "k3")
     close(k3, [10.0, 10.0, 10.0, 0.0])
     k3.sum().backward()
     assert torch.isfinite(logp.grad).all()
@@ -57,15 +58,15 @@ def test_kl_is_clamped_and_gradient_finite():
 
 def test_kl_computed_in_fp32_and_rejects_unknown_estimator():
     logp = torch.tensor([-1.0], dtype=torch.bfloat16)
-    assert algo.compute_kl(logp, logp, "k3").dtype == torch.float32
+    assert rl_algo.compute_kl(logp, logp, "k3").dtype == torch.float32
     with pytest.raises(ValueError, match="kl_estimator"):
-        algo.compute_kl(logp, logp, "k4")
+        rl_algo.compute_kl(logp, logp, "k4")
 
 
 def test_kl_penalized_rewards_puts_scalar_on_last_action_token():
     kl = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.4, 0.4, 0.4, 0.4], [1.0, 1.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]])
-    rewards = algo.kl_penalized_rewards(torch.tensor([2.0, -1.0, 5.0]), kl, mask, beta=0.5)
+    rewards = rl_algo.kl_penalized_rewards(torch.tensor([2.0, -1.0, 5.0]), kl, mask, beta=0.5)
     # A row without action tokens has nowhere to put its reward and stays all zero.
     close(rewards, [[-0.05, -0.1, 1.85, 0.0], [0.0, -0.2, -0.2, -1.2], [0.0, 0.0, 0.0, 0.0]])
 
@@ -74,19 +75,19 @@ def test_kl_penalized_rewards_ignores_masked_positions():
     torch.manual_seed(0)
     mask = ragged_mask([3, 6, 1], 6, left_pad=[2, 0, 4])
     kl, scalar = torch.randn(3, 6), torch.randn(3)
-    expected = algo.kl_penalized_rewards(scalar, kl, mask, beta=0.1)
-    torch.testing.assert_close(algo.kl_penalized_rewards(scalar, perturb_masked(kl, mask), mask, 0.1), expected)
+    expected = rl_algo.kl_penalized_rewards(scalar, kl, mask, beta=0.1)
+    torch.testing.assert_close(rl_algo.kl_penalized_rewards(scalar, perturb_masked(kl, mask), mask, 0.1), expected)
     assert (expected[~mask] == 0).all()
 
 
 def test_fixed_kl_controller_never_changes():
-    controller = algo.FixedKLController(0.05)
+    controller = rl_algo.FixedKLController(0.05)
     controller.update(current_kl=100.0, n_steps=1000)
     assert controller.value == 0.05
 
 
 def test_adaptive_kl_controller_update_numbers():
-    controller = algo.AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
+    controller = rl_algo.AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
     # KL 9 over target 6: error 0.5 clipped to 0.2; beta *= 1 + 0.2 * 256 / 10000 = 1.00512.
     controller.update(current_kl=9.0, n_steps=256)
     assert controller.value == pytest.approx(0.100512, abs=1e-12)
@@ -105,36 +106,36 @@ def test_adaptive_kl_controller_update_numbers():
 
 def test_group_estimators_worked_numbers():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    close(algo.group_advantages(rewards, 4, "group_norm"), [0.8660, -0.8660, -0.8660, 0.8660], atol=1e-4)
-    close(algo.group_advantages(rewards, 4, "rloo"), [0.6667, -0.6667, -0.6667, 0.6667], atol=1e-4)
-    close(algo.group_advantages(rewards, 4, "dr_grpo"), [0.5, -0.5, -0.5, 0.5])
-    close(algo.group_advantages(rewards, 4, "reinforce_baseline"), [0.5, -0.5, -0.5, 0.5])
+    close(rl_algo.group_advantages(rewards, 4, "group_norm"), [0.8660, -0.8660, -0.8660, 0.8660], atol=1e-4)
+    close(rl_algo.group_advantages(rewards, 4, "rloo"), [0.6667, -0.6667, -0.6667, 0.6667], atol=1e-4)
+    close(rl_algo.group_advantages(rewards, 4, "dr_grpo"), [0.5, -0.5, -0.5, 0.5])
+    close(rl_algo.group_advantages(rewards, 4, "reinforce_baseline"), [0.5, -0.5, -0.5, 0.5])
 
 
 def test_group_estimators_use_contiguous_groups_and_survive_equal_rewards():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 5.0, 6.0, 3.0, 3.0, 3.0, 3.0])
     # Second group: mean 5.25, unbiased std 0.5; third group: all equal, so 0 rather than nan.
     close(
-        algo.group_advantages(rewards, 4, "group_norm"),
+        rl_algo.group_advantages(rewards, 4, "group_norm"),
         [0.8660, -0.8660, -0.8660, 0.8660, -0.5, -0.5, -0.5, 1.5, 0, 0, 0, 0],
         atol=1e-4,
     )
     # Pairs (1, 0), (0, 1), (5, 5), (5, 6): n = 2 makes rloo R_i - R_other.
-    close(algo.group_advantages(rewards[:8], 2, "rloo"), [1, -1, -1, 1, 0, 0, -1, 1])
+    close(rl_algo.group_advantages(rewards[:8], 2, "rloo"), [1, -1, -1, 1, 0, 0, -1, 1])
 
 
 def test_group_estimators_reject_bad_group_sizes():
     with pytest.raises(ValueError, match="n_samples_per_prompt"):
-        algo.group_advantages(torch.zeros(6), 4, "group_norm")
+        rl_algo.group_advantages(torch.zeros(6), 4, "group_norm")
     with pytest.raises(ValueError, match="n_samples_per_prompt >= 2"):
-        algo.group_advantages(torch.zeros(4), 1, "rloo")
+        rl_algo.group_advantages(torch.zeros(4), 1, "rloo")
 
 
 @pytest.mark.parametrize("lambd, advantages, returns", [(0.95, [0.46575, 0.385, 0.3], [0.96575, 0.985, 1.0]),
                                                          (1.0, [0.5, 0.4, 0.3], [1.0, 1.0, 1.0])])
 def test_gae_worked_numbers(lambd, advantages, returns):
     rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
-    adv, ret = algo.gae_advantages_and_returns(rewards, values, torch.ones(1, 3), gamma=1.0, lambd=lambd)
+    adv, ret = rl_algo.gae_advantages_and_returns(rewards, values, torch.ones(1, 3), gamma=1.0, lambd=lambd)
     close(adv, [advantages])
     close(ret, [returns])
 
@@ -144,32 +145,32 @@ def test_gae_passes_over_padding_on_either_side_and_in_between():
     rewards = torch.tensor([[7.0, 0.0, 7.0, 0.0, 7.0, 1.0, 7.0]])
     values = torch.tensor([[9.0, 0.5, 9.0, 0.6, 9.0, 0.7, 9.0]])
     mask = torch.tensor([[0, 1, 0, 1, 0, 1, 0]])
-    adv, ret = algo.gae_advantages_and_returns(rewards, values, mask, gamma=1.0, lambd=0.95)
+    adv, ret = rl_algo.gae_advantages_and_returns(rewards, values, mask, gamma=1.0, lambd=0.95)
     close(adv, [[0, 0.46575, 0, 0.385, 0, 0.3, 0]])
     close(ret, [[0, 0.96575, 0, 0.985, 0, 1.0, 0]])
 
 
 def test_discounted_returns_with_gamma():
     rewards = torch.tensor([[1.0, 0.0, 2.0, 5.0]])
-    close(algo.discounted_returns(rewards, torch.tensor([[1, 1, 1, 0]]), gamma=0.5), [[1.5, 1.0, 2.0, 0.0]])
+    close(rl_algo.discounted_returns(rewards, torch.tensor([[1, 1, 1, 0]]), gamma=0.5), [[1.5, 1.0, 2.0, 0.0]])
 
 
 def test_normalize_advantages_population_variance_and_mean_only():
     advantages = torch.tensor([[1.0, 1.0, 50.0], [0.0, 0.0, -50.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
     # Mean 0.5, population variance 0.25 (the unbiased one, 1/3, would give +-0.866).
-    close(algo.normalize_advantages(advantages, mask), [[1, 1, 0], [-1, -1, 0]])
-    close(algo.normalize_advantages(advantages, mask, std_norm=False), [[0.5, 0.5, 0], [-0.5, -0.5, 0]])
+    close(rl_algo.normalize_advantages(advantages, mask), [[1, 1, 0], [-1, -1, 0]])
+    close(rl_algo.normalize_advantages(advantages, mask, std_norm=False), [[0.5, 0.5, 0], [-0.5, -0.5, 0]])
 
 
 def test_normalize_advantages_floors_variance():
     # All equal: variance 0 is floored at 1e-8, so the centred zeros stay zeros instead of nan.
-    close(algo.normalize_advantages(torch.full((2, 3), 4.0), torch.ones(2, 3)), torch.zeros(2, 3))
+    close(rl_algo.normalize_advantages(torch.full((2, 3), 4.0), torch.ones(2, 3)), torch.zeros(2, 3))
 
 
 def test_compute_advantages_reinforce_normalises_over_batch_and_keeps_raw_returns():
     mask = torch.ones(2, 2)
-    adv, ret = algo.compute_advantages("reinforce", torch.tensor([1.0, 0.0]), mask, n_samples_per_prompt=1)
+    adv, ret = rl_algo.compute_advantages("reinforce", torch.tensor([1.0, 0.0]), mask, n_samples_per_prompt=1)
     close(ret, [[1, 1], [0, 0]])
     close(adv, [[1, 1], [-1, -1]])
 
@@ -177,7 +178,7 @@ def test_compute_advantages_reinforce_normalises_over_batch_and_keeps_raw_return
 def test_compute_advantages_reinforce_with_kl_in_reward():
     mask = torch.tensor([[1, 1, 1]])
     kl = torch.tensor([[0.2, 0.4, 0.6]])
-    _, ret = algo.compute_advantages("reinforce", torch.tensor([1.0]), mask, n_samples_per_prompt=1, kl=kl,
+    _, ret = rl_algo.compute_advantages("reinforce", torch.tensor([1.0]), mask, n_samples_per_prompt=1, kl=kl,
                                      beta=0.5, gamma=1.0)
     # Token rewards [-0.1, -0.2, -0.3 + 1]; returns are their suffix sums.
     close(ret, [[0.4, 0.5, 0.7]])
@@ -185,7 +186,7 @@ def test_compute_advantages_reinforce_with_kl_in_reward():
 
 def test_compute_advantages_group_norm_broadcasts_to_action_tokens():
     mask = ragged_mask([3, 1, 4, 2], 4)
-    adv, ret = algo.compute_advantages("group_norm", torch.tensor([1.0, 0.0, 0.0, 1.0]), mask,
+    adv, ret = rl_algo.compute_advantages("group_norm", torch.tensor([1.0, 0.0, 0.0, 1.0]), mask,
                                        n_samples_per_prompt=4, gamma=0.5)
     a = 0.8660254
     expected = [[a, a, a, 0], [-a, 0, 0, 0], [-a, -a, -a, -a], [a, a, 0, 0]]
@@ -197,11 +198,11 @@ def test_group_norm_divides_by_the_group_std_even_with_no_advantage_std_norm():
     """OpenRLHF: group_norm is (R - mean) / (std + 1e-9) always; no_advantage_std_norm only reaches the batch
     whitening of gae, reinforce and reinforce_baseline."""
     mask = ragged_mask([1, 1, 1, 1], 1)
-    adv, _ = algo.compute_advantages("group_norm", torch.tensor([1.0, 0.0, 0.0, 1.0]), mask, n_samples_per_prompt=4,
+    adv, _ = rl_algo.compute_advantages("group_norm", torch.tensor([1.0, 0.0, 0.0, 1.0]), mask, n_samples_per_prompt=4,
                                      std_norm=False)
     close(adv[:, 0], [0.8660254, -0.8660254, -0.8660254, 0.8660254])
     # reinforce_baseline: group mean off, then the batch mean only: [3, 1 | 10, 12] -> [1, -1 | -1, 1].
-    adv, _ = algo.compute_advantages("reinforce_baseline", torch.tensor([3.0, 1.0, 10.0, 12.0]), mask,
+    adv, _ = rl_algo.compute_advantages("reinforce_baseline", torch.tensor([3.0, 1.0, 10.0, 12.0]), mask,
                                      n_samples_per_prompt=2, std_norm=False)
     close(adv[:, 0], [1.0, -1.0, -1.0, 1.0])
 
@@ -210,7 +211,7 @@ def test_reward_clip_acts_after_the_group_baseline():
     """rloo over [30, 0, 0, 0], clip ±10: baselines 0, 10, 10, 10 -> [30, -10, -10, -10] -> [10, -10, -10, -10].
     Clipping first would give [10, 0, 0, 0] -> [10, -3.33, -3.33, -3.33]."""
     mask = ragged_mask([1, 1, 1, 1], 1)
-    adv, _ = algo.compute_advantages("rloo", torch.tensor([30.0, 0.0, 0.0, 0.0]), mask, n_samples_per_prompt=4,
+    adv, _ = rl_algo.compute_advantages("rloo", torch.tensor([30.0, 0.0, 0.0, 0.0]), mask, n_samples_per_prompt=4,
                                      reward_clip_range=(-10.0, 10.0))
     close(adv[:, 0], [10.0, -10.0, -10.0, -10.0])
 
@@ -218,7 +219,7 @@ def test_reward_clip_acts_after_the_group_baseline():
 def test_sequence_kl_is_the_token_mean_of_each_sequence():
     """As OpenRLHF logs it and feeds --kl_target: [1, 2, 3] -> 2 and [4] -> 4, batch 3 (sums would give 5)."""
     kl = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]])
-    per_sequence = algo.sequence_kl(kl, ragged_mask([3, 1], 4))
+    per_sequence = rl_algo.sequence_kl(kl, ragged_mask([3, 1], 4))
     close(per_sequence, [2.0, 4.0])
     assert float(per_sequence.mean()) == 3.0
 
@@ -226,16 +227,16 @@ def test_sequence_kl_is_the_token_mean_of_each_sequence():
 def test_compute_advantages_rloo_and_dr_grpo_not_batch_normalised():
     mask = ragged_mask([2, 2, 2, 2], 2)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    adv, _ = algo.compute_advantages("rloo", rewards, mask, n_samples_per_prompt=4)
+    adv, _ = rl_algo.compute_advantages("rloo", rewards, mask, n_samples_per_prompt=4)
     close(adv[:, 0], [2 / 3, -2 / 3, -2 / 3, 2 / 3])
-    adv, _ = algo.compute_advantages("dr_grpo", rewards, mask, n_samples_per_prompt=4)
+    adv, _ = rl_algo.compute_advantages("dr_grpo", rewards, mask, n_samples_per_prompt=4)
     close(adv[:, 0], [0.5, -0.5, -0.5, 0.5])
 
 
 def test_compute_advantages_reinforce_baseline_subtracts_group_mean_then_normalises():
     mask = ragged_mask([1, 1, 1, 1], 1)
     rewards = torch.tensor([3.0, 1.0, 10.0, 10.0])
-    adv, ret = algo.compute_advantages("reinforce_baseline", rewards, mask, n_samples_per_prompt=2)
+    adv, ret = rl_algo.compute_advantages("reinforce_baseline", rewards, mask, n_samples_per_prompt=2)
     close(ret[:, 0], [1.0, -1.0, 0.0, 0.0])
     # Batch mean 0, population std sqrt(0.5).
     close(adv[:, 0], [math.sqrt(2), -math.sqrt(2), 0.0, 0.0])
@@ -244,7 +245,7 @@ def test_compute_advantages_reinforce_baseline_subtracts_group_mean_then_normali
 def test_compute_advantages_gae_matches_worked_example_before_normalisation():
     mask = torch.ones(1, 3)
     values = torch.tensor([[0.5, 0.6, 0.7]])
-    adv, ret = algo.compute_advantages("gae", torch.tensor([1.0]), mask, n_samples_per_prompt=1, values=values,
+    adv, ret = rl_algo.compute_advantages("gae", torch.tensor([1.0]), mask, n_samples_per_prompt=1, values=values,
                                        lambd=0.95, std_norm=False)
     close(ret, [[0.96575, 0.985, 1.0]])
     mean = (0.46575 + 0.385 + 0.3) / 3
@@ -254,21 +255,21 @@ def test_compute_advantages_gae_matches_worked_example_before_normalisation():
 def test_compute_advantages_rejects_missing_inputs():
     mask = torch.ones(2, 3)
     with pytest.raises(ValueError, match="critic"):
-        algo.compute_advantages("gae", torch.ones(2), mask, n_samples_per_prompt=1)
+        rl_algo.compute_advantages("gae", torch.ones(2), mask, n_samples_per_prompt=1)
     with pytest.raises(ValueError, match="advantage_estimator"):
-        algo.compute_advantages("ppo", torch.ones(2), mask, n_samples_per_prompt=1)
+        rl_algo.compute_advantages("ppo", torch.ones(2), mask, n_samples_per_prompt=1)
     with pytest.raises(ValueError, match="kl"):
-        algo.compute_advantages("reinforce", torch.ones(2), mask, n_samples_per_prompt=1, beta=0.1)
+        rl_algo.compute_advantages("reinforce", torch.ones(2), mask, n_samples_per_prompt=1, beta=0.1)
 
 
-@pytest.mark.parametrize("estimator", algo.ADVANTAGE_ESTIMATORS)
+@pytest.mark.parametrize("estimator", rl_algo.ADVANTAGE_ESTIMATORS)
 def test_compute_advantages_masked_positions_never_matter(estimator):
     torch.manual_seed(0)
     mask = ragged_mask([5, 2, 7, 1, 3, 6, 4, 7], 7, left_pad=[0, 3, 0, 6, 2, 1, 0, 0])
     scalar, kl, values = torch.randn(8), torch.randn(8, 7) * 0.1, torch.randn(8, 7)
     kwargs = dict(n_samples_per_prompt=4, beta=0.05, gamma=1.0, lambd=0.9)
-    adv, ret = algo.compute_advantages(estimator, scalar, mask, kl=kl, values=values, **kwargs)
-    adv2, ret2 = algo.compute_advantages(estimator, scalar, mask, kl=perturb_masked(kl, mask),
+    adv, ret = rl_algo.compute_advantages(estimator, scalar, mask, kl=kl, values=values, **kwargs)
+    adv2, ret2 = rl_algo.compute_advantages(estimator, scalar, mask, kl=perturb_masked(kl, mask),
                                          values=perturb_masked(values, mask, seed=2), **kwargs)
     torch.testing.assert_close(adv2, adv)
     torch.testing.assert_close(ret2, ret)
@@ -296,35 +297,35 @@ def test_compute_advantages_masked_positions_never_matter(estimator):
     ],
 )
 def test_policy_loss_worked_rows(old_logp, logp, advantage, dual_clip, expected_loss, expected_clipped):
-    loss_t, clip_mask = algo.policy_loss(torch.tensor([logp]), torch.tensor([old_logp]), torch.tensor([advantage]),
+    loss_t, clip_mask = rl_algo.policy_loss(torch.tensor([logp]), torch.tensor([old_logp]), torch.tensor([advantage]),
                                          eps_clip_low=0.2, eps_clip_high=0.2, dual_clip=dual_clip)
     close(loss_t, [expected_loss], atol=1e-4)
     close(clip_mask, [expected_clipped])
 
 
 def test_policy_loss_without_dual_clip_is_unbounded_for_negative_advantage():
-    loss_t, _ = algo.policy_loss(torch.tensor([0.0]), torch.tensor([-2.0]), torch.tensor([-1.0]))
+    loss_t, _ = rl_algo.policy_loss(torch.tensor([0.0]), torch.tensor([-2.0]), torch.tensor([-1.0]))
     close(loss_t, [math.exp(2.0)], atol=1e-4)
 
 
 def test_policy_loss_asymmetric_clip():
     logp, old_logp = torch.tensor([0.0, 0.0, -0.5]), torch.tensor([-0.5, -0.5, 0.0])
     advantages = torch.tensor([1.0, -1.0, -1.0])
-    loss_t, _ = algo.policy_loss(logp, old_logp, advantages, eps_clip_low=0.2, eps_clip_high=0.28)
+    loss_t, _ = rl_algo.policy_loss(logp, old_logp, advantages, eps_clip_low=0.2, eps_clip_high=0.28)
     close(loss_t, [-1.28, 1.6487, 0.8], atol=1e-4)
-    loss_t, _ = algo.policy_loss(logp, old_logp, advantages, eps_clip_low=0.5, eps_clip_high=0.28)
+    loss_t, _ = rl_algo.policy_loss(logp, old_logp, advantages, eps_clip_low=0.5, eps_clip_high=0.28)
     close(loss_t[2:], [math.exp(-0.5)], atol=1e-4)
 
 
 def test_policy_loss_clamps_log_ratio():
-    loss_t, _ = algo.policy_loss(torch.tensor([0.0, 0.0]), torch.tensor([-100.0, -100.0]), torch.tensor([1.0, -1.0]))
+    loss_t, _ = rl_algo.policy_loss(torch.tensor([0.0, 0.0]), torch.tensor([-100.0, -100.0]), torch.tensor([1.0, -1.0]))
     assert torch.isfinite(loss_t).all()
     close(loss_t, [-1.2, math.exp(20.0)], atol=1.0)
 
 
 def test_policy_loss_rejects_dual_clip_not_above_one():
     with pytest.raises(ValueError, match="dual_clip"):
-        algo.policy_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), dual_clip=1.0)
+        rl_algo.policy_loss(torch.zeros(1), torch.zeros(1), torch.ones(1), dual_clip=1.0)
 
 
 def test_policy_and_value_loss_aggregates_ignore_masked_positions():
@@ -334,9 +335,9 @@ def test_policy_and_value_loss_aggregates_ignore_masked_positions():
     values, old_values, returns = torch.randn(4, 6), torch.randn(4, 6), torch.randn(4, 6)
 
     def aggregates(logp, old_logp, adv, values, old_values, returns):
-        loss_t, clip_mask = algo.policy_loss(logp, old_logp, adv, dual_clip=3.0)
+        loss_t, clip_mask = rl_algo.policy_loss(logp, old_logp, adv, dual_clip=3.0)
         return (algo.aggregate_token_loss(loss_t, mask), algo.masked_mean(clip_mask, mask),
-                algo.aggregate_token_loss(algo.value_loss(values, old_values, returns), mask))
+                algo.aggregate_token_loss(rl_algo.value_loss(values, old_values, returns), mask))
 
     expected = aggregates(logp, old_logp, adv, values, old_values, returns)
     perturbed = aggregates(*(perturb_masked(x, mask, seed=i) for i, x in
@@ -352,8 +353,8 @@ def test_value_loss_clip_numbers():
     values, old_values = torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])
     returns = torch.tensor([0.0, 2.0])
     # Clipped V = 0.5: row 1 max(0.25, 1) / 2; row 2 max(2.25, 1) / 2.
-    close(algo.value_loss(values, old_values, returns, value_clip=0.5), [0.5, 1.125])
-    close(algo.value_loss(values, old_values, returns, value_clip=None), [0.5, 0.5])
+    close(rl_algo.value_loss(values, old_values, returns, value_clip=0.5), [0.5, 1.125])
+    close(rl_algo.value_loss(values, old_values, returns, value_clip=None), [0.5, 0.5])
 
 
 def test_masked_mean_per_row_and_empty_row():
@@ -384,7 +385,7 @@ def _accumulated_gradient(split_size, per_micro_batch_mean):
     for start in range(0, 8, split_size):
         rows = slice(start, start + split_size)
         logp = -torch.nn.functional.softplus(features[rows] @ weights)
-        loss_t, _ = algo.policy_loss(logp, old_logp[rows], advantages[rows])
+        loss_t, _ = rl_algo.policy_loss(logp, old_logp[rows], advantages[rows])
         if per_micro_batch_mean:
             loss = algo.aggregate_token_loss(loss_t, mask[rows]) / num_micro_batches
         else:
@@ -531,22 +532,22 @@ def test_overlong_penalty():
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
     lengths = torch.tensor([70, 90, 100, 85])
     # expected length 80, buffer 20: excess -10 (none), 10, 20, 5
-    close(algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=20, factor=1.0),
+    close(rl_algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=20, factor=1.0),
           [1.0, 0.5, 0.0, -0.25])
-    close(algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=20, factor=2.0),
+    close(rl_algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=20, factor=2.0),
           [1.0, 0.0, -1.0, -0.5])
     with pytest.raises(ValueError, match="buffer"):
-        algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=0, factor=1.0)
+        rl_algo.overlong_penalty(rewards, lengths, max_new_tokens=100, buffer_len=0, factor=1.0)
 
 
 def test_truncation_penalty():
     rewards = torch.tensor([1.0, 0.8, -0.4])
     truncated = torch.tensor([True, False, True])
-    close(algo.truncation_penalty(rewards, truncated, 0.5), [0.5, 0.8, -0.2])
-    close(algo.truncation_penalty(rewards, truncated, 0.0), [0.0, 0.8, 0.0])
-    close(algo.truncation_penalty(rewards, truncated, -1.0), [-1.0, 0.8, -1.0])
+    close(rl_algo.truncation_penalty(rewards, truncated, 0.5), [0.5, 0.8, -0.2])
+    close(rl_algo.truncation_penalty(rewards, truncated, 0.0), [0.0, 0.8, 0.0])
+    close(rl_algo.truncation_penalty(rewards, truncated, -1.0), [-1.0, 0.8, -1.0])
     with pytest.raises(ValueError, match="truncation"):
-        algo.truncation_penalty(rewards, truncated, 1.5)
+        rl_algo.truncation_penalty(rewards, truncated, 1.5)
 
 
 def test_gspo_clips_one_ratio_per_sequence_and_averages_per_sequence():
@@ -557,10 +558,10 @@ def test_gspo_clips_one_ratio_per_sequence_and_averages_per_sequence():
     logp = torch.tensor([[0.1, 0.3], [-0.1, 5.0]], requires_grad=True)  # 5.0 is padding
     mask = ragged_mask([2, 1], 2)
     advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
-    loss_t, clipped = algo.gspo_policy_loss(logp, old, advantages, mask)
+    loss_t, clipped = rl_algo.gspo_policy_loss(logp, old, advantages, mask)
     close(loss_t * mask, [[-1.2, -1.2], [0.904837, 0.0]])
     close(clipped * mask, [[1.0, 1.0], [0.0, 0.0]])
-    loss = algo.aggregate_sequence_loss(loss_t, mask, num_sequences=2)
+    loss = rl_algo.aggregate_sequence_loss(loss_t, mask, num_sequences=2)
     close(loss, -0.147582)
     loss.backward()
     close(logp.grad, [[0.0, 0.0], [0.452419, 0.0]])
@@ -569,10 +570,10 @@ def test_gspo_clips_one_ratio_per_sequence_and_averages_per_sequence():
 def test_ema_update_averages_in_place_from_the_initial_weights():
     """β = 0.9 from w0 = 1.0: after weights 2.0 then 4.0 the average is 0.9·1.1 + 0.1·4 = 1.39."""
     average = torch.tensor([1.0, -1.0])
-    same = algo.ema_update(average, torch.tensor([2.0, 0.0]), 0.9)
+    same = rl_algo.ema_update(average, torch.tensor([2.0, 0.0]), 0.9)
     assert same is average
     close(average, [1.1, -0.9])
-    algo.ema_update(average, torch.tensor([4.0, 1.0], dtype=torch.bfloat16), 0.9)
+    rl_algo.ema_update(average, torch.tensor([4.0, 1.0], dtype=torch.bfloat16), 0.9)
     close(average, [1.39, -0.71])
     assert average.dtype == torch.float32
 
@@ -588,7 +589,7 @@ def test_rollout_correction_worked_rows(kind, weights, affected):
     ratios = torch.tensor([[0.25, 1.0, 2.0, 8.0], [8.0, 8.0, 0.01, 0.01]])
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
     rollout_logp = torch.full((2, 4), -1.5)
-    got_weights, got_affected = algo.rollout_correction(rollout_logp + ratios.log(), rollout_logp, mask, kind,
+    got_weights, got_affected = rl_algo.rollout_correction(rollout_logp + ratios.log(), rollout_logp, mask, kind,
                                                         0.5, 5.0)
     torch.testing.assert_close(got_weights * mask, torch.tensor(weights) * mask)
     torch.testing.assert_close(got_affected, torch.tensor(affected, dtype=torch.float32))
@@ -597,7 +598,7 @@ def test_rollout_correction_worked_rows(kind, weights, affected):
 
 def test_rollout_correction_is_one_where_the_trainer_agrees_with_the_engines():
     logp = torch.randn(3, 5, requires_grad=True)
-    for kind in algo.IS_CORRECTION_TYPES:
-        weights, affected = algo.rollout_correction(logp, logp.detach(), torch.ones(3, 5), kind, 0.5, 5.0)
+    for kind in rl_algo.IS_CORRECTION_TYPES:
+        weights, affected = rl_algo.rollout_correction(logp, logp.detach(), torch.ones(3, 5), kind, 0.5, 5.0)
         torch.testing.assert_close(weights, torch.ones(3, 5))
         assert float(affected.sum()) == 0

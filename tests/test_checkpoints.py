@@ -9,13 +9,14 @@ import pytest
 from stages.cli import parse_stage_args
 from stages.engine import FINGERPRINT_FILE, claim_checkpoints, commit_checkpoint, training_fingerprint
 from stages.errors import StageInputError
+from stages.registry import STAGES
 
 
 def sft_config(tmp_path, *flags: str):
     data = tmp_path / "sft.jsonl"
     if not data.exists():
         data.write_text('{"prompt": "1 + 1 = ?", "response": "Answer: 2"}\n')
-    return parse_stage_args("sft", ["--config", "tiny", "--pretrain", "org/model", "--dataset", str(data),
+    return parse_stage_args(STAGES["sft"], ["--config", "tiny", "--pretrain", "org/model", "--dataset", str(data),
                                     "--ckpt_path", str(tmp_path / "ckpt"), *flags])
 
 

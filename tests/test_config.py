@@ -11,7 +11,9 @@ import yaml
 from pipeline.config import PipelineConfig, load_pipeline_config, load_preset
 from pipeline.identity import stage_identity
 from stages.cli import build_parser, parse_stage_args
-from stages.config import CONFIG_DIR, STAGE_CONFIGS, ConfigError, RLConfig
+from stages.config import CONFIG_DIR, ConfigError
+from stages.registry import STAGES
+from stages.rl.config import RLConfig
 
 # ---------------------------------------------------------------- the seed's commands, module paths swapped
 
@@ -136,7 +138,7 @@ def without(argv: list[str], *dropped: str) -> list[str]:
 
 def parse_error(capsys, stage: str, argv: list[str], **kwargs) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        parse_stage_args(stage, argv, **kwargs)
+        parse_stage_args(STAGES[stage], argv, **kwargs)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
 
@@ -144,7 +146,7 @@ def parse_error(capsys, stage: str, argv: list[str], **kwargs) -> str:
 def test_seed_ppo_hybrid_engine_lands_with_its_meaning():
     stage, argv = stage_argv(SEED_PPO_HYBRID)
     assert stage == "rl"
-    cfg = parse_stage_args(stage, argv, require_inputs=False)
+    cfg = parse_stage_args(STAGES[stage], argv, require_inputs=False)
     assert isinstance(cfg, RLConfig)
     assert cfg.pretrain == "OpenRLHF/Llama-3-8b-sft-mixture"
     assert cfg.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k"
@@ -162,7 +164,7 @@ def test_seed_ppo_hybrid_engine_lands_with_its_meaning():
 
 def test_seed_grpo_is_the_ppo_command_plus_group_norm():
     stage, argv = stage_argv(SEED_PPO_HYBRID)
-    cfg = parse_stage_args(stage, argv + flags(SEED_GRPO_ADDITION), require_inputs=False)
+    cfg = parse_stage_args(STAGES[stage], argv + flags(SEED_GRPO_ADDITION), require_inputs=False)
     assert cfg.advantage_estimator == "group_norm"
     assert not cfg.uses_critic and "critic" not in cfg.role_ranks()
     assert cfg.n_samples_per_prompt == 8  # unset: a group estimator needs a group
@@ -170,21 +172,21 @@ def test_seed_grpo_is_the_ppo_command_plus_group_norm():
     assert cfg.flash_attn and cfg.notes() == [
         packing, "--n_samples_per_prompt unset: 8 samples per prompt for --advantage_estimator group_norm "
         "(OpenRLHF's default of 1 leaves no group to compare with, and OpenRLHF refuses it)"]
-    explicit = parse_stage_args(stage, argv + flags(SEED_GRPO_ADDITION) + ["--n_samples_per_prompt", "4"],
+    explicit = parse_stage_args(STAGES[stage], argv + flags(SEED_GRPO_ADDITION) + ["--n_samples_per_prompt", "4"],
                                 require_inputs=False)
     assert explicit.n_samples_per_prompt == 4 and explicit.notes() == [packing]
 
 
 def test_seed_workflow_ppo_with_own_reward_model():
     stage, argv = stage_argv(SEED_PPO)
-    cfg = parse_stage_args(stage, argv, require_inputs=False)
+    cfg = parse_stage_args(STAGES[stage], argv, require_inputs=False)
     assert cfg.reward_pretrain == "./output/llama3-8b-rm" and cfg.save_path == "./output/llama3-8b-ppo"
     assert not cfg.packing_samples and cfg.vllm_gpu_memory_utilization == 0.95
 
 
 def test_seed_workflow_grpo():
     stage, argv = stage_argv(SEED_GRPO)
-    cfg = parse_stage_args(stage, argv, require_inputs=False)
+    cfg = parse_stage_args(STAGES[stage], argv, require_inputs=False)
     assert cfg.advantage_estimator == "group_norm" and cfg.use_kl_loss and cfg.kl_estimator == "k3"
     assert cfg.no_advantage_std_norm and cfg.normalize_reward and not cfg.uses_critic
     # Accepted as OpenRLHF accepts it, and said to do nothing there.
@@ -198,14 +200,14 @@ def test_seed_rl_commands_name_no_prompt_data(capsys):
     for command in (SEED_PPO_HYBRID, SEED_PPO, SEED_GRPO):
         stage, argv = stage_argv(command)
         assert "missing required --prompt_data" in parse_error(capsys, stage, argv)
-        cfg = parse_stage_args(stage, ["--config", "llama3-8b", *argv])
+        cfg = parse_stage_args(STAGES[stage], ["--config", "llama3-8b", *argv])
         assert cfg.prompt_data == "OpenRLHF/prompt-collection-v0.1"
 
 
 def test_seed_reward_model_under_the_deepspeed_launcher():
     stage, argv = stage_argv(SEED_RM)
     assert stage == "reward_model"
-    cfg = parse_stage_args(stage, [*argv, "--local_rank=0"])
+    cfg = parse_stage_args(STAGES[stage], [*argv, "--local_rank=0"])
     assert cfg.local_rank == 0
     assert (cfg.save_steps, cfg.logging_steps, cfg.eval_steps) == (-1, 1, -1)
     assert (cfg.train_batch_size, cfg.micro_train_batch_size, cfg.max_len) == (256, 1, 8192)
@@ -217,7 +219,7 @@ def test_seed_reward_model_under_the_deepspeed_launcher():
 
 def test_seed_dpo():
     stage, argv = stage_argv(SEED_DPO)
-    cfg = parse_stage_args(stage, [*argv, "--local_rank=3"])
+    cfg = parse_stage_args(STAGES[stage], [*argv, "--local_rank=3"])
     assert (cfg.beta, cfg.learning_rate, cfg.micro_train_batch_size, cfg.zero_stage) == (0.1, 5e-7, 2, 3)
     assert cfg.local_rank == 3 and cfg.ref_pretrain is None and not cfg.ipo
 
@@ -225,9 +227,9 @@ def test_seed_dpo():
 def test_seed_troubleshooting_snippets():
     _, ppo = stage_argv(SEED_PPO_HYBRID)
     separate = without(ppo, "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep")
-    cfg = parse_stage_args("rl", separate + flags(SEED_SEPARATE_GPUS), require_inputs=False)
+    cfg = parse_stage_args(STAGES["rl"], separate + flags(SEED_SEPARATE_GPUS), require_inputs=False)
     assert not cfg.colocate_all_models and cfg.critic_num_gpus_per_node == 8
-    cfg = parse_stage_args("rl", separate + flags(SEED_HYBRID_ENGINE) + flags(SEED_KL_INCREASE) + flags(SEED_VLLM),
+    cfg = parse_stage_args(STAGES["rl"], separate + flags(SEED_HYBRID_ENGINE) + flags(SEED_KL_INCREASE) + flags(SEED_VLLM),
                            require_inputs=False)
     assert cfg.colocate_all_models and cfg.vllm_enable_sleep and cfg.init_kl_coef == 0.05
 
@@ -376,10 +378,10 @@ def test_group_estimators_need_no_critic_settings():
     separate = without(PPO, "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep")
     odd_critic = [*separate, "--critic_num_gpus_per_node", "3"]
     for name in GROUP_ESTIMATORS:
-        cfg = parse_stage_args("rl", [*odd_critic, "--advantage_estimator", name], require_inputs=False)
+        cfg = parse_stage_args(STAGES["rl"], [*odd_critic, "--advantage_estimator", name], require_inputs=False)
         assert not cfg.uses_critic
     with pytest.raises(SystemExit):
-        parse_stage_args("rl", odd_critic, require_inputs=False)  # gae trains the 3-rank critic: 128 % (8 × 3)
+        parse_stage_args(STAGES["rl"], odd_critic, require_inputs=False)  # gae trains the 3-rank critic: 128 % (8 × 3)
 
 
 def test_missing_inputs_are_named(capsys):
@@ -387,7 +389,7 @@ def test_missing_inputs_are_named(capsys):
     err = parse_error(capsys, "evaluate", [*TINY, "--pretrain", "p", "--prompt_data", "d"])
     assert "missing required --reward_pretrain or --remote_rm_url" in err
     both = ["--pretrain", "p", "--prompt_data", "d", "--reward_pretrain", "rm", "--remote_rm_url", "reward.py"]
-    assert parse_stage_args("evaluate", [*TINY, *both]).remote_rm_url == "reward.py"  # evaluation may use both
+    assert parse_stage_args(STAGES["evaluate"], [*TINY, *both]).remote_rm_url == "reward.py"  # evaluation may use both
 
 
 # ---------------------------------------------------------------- presets
@@ -413,8 +415,8 @@ def test_presets_load_and_validate():
 @pytest.mark.parametrize("preset", ["tiny", "llama3-8b", "tiny-agent"])
 def test_every_stage_parses_from_each_preset(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # presets are found next to the package, not in the working directory
-    for stage in STAGE_CONFIGS:
-        cfg = parse_stage_args(stage, ["--config", preset], require_inputs=False)
+    for stage in STAGES:
+        cfg = parse_stage_args(STAGES[stage], ["--config", preset], require_inputs=False)
         assert cfg == getattr(load_pipeline_config(preset), stage)
 
 
@@ -424,7 +426,7 @@ def test_a_preset_extends_another_section_by_section(tmp_path):
     agent, tiny = load_pipeline_config("tiny-agent"), load_pipeline_config("tiny")
     assert (agent.name, agent.shape, agent.rl.agent_func_path) == ("tiny-agent", "sft-rl", "stages/tiny_agent.py")
     assert agent.rl.model_copy(update={"agent_func_path": None}) == tiny.rl and agent.sft == tiny.sft
-    assert parse_stage_args("rl", ["--config", "tiny-agent"], require_inputs=False) == agent.rl
+    assert parse_stage_args(STAGES["rl"], ["--config", "tiny-agent"], require_inputs=False) == agent.rl
     parameter = yaml.safe_load((CONFIG_DIR / "tiny-agent.yaml").read_text())
     assert parameter["extends"] == "tiny" and PipelineConfig.model_validate(parameter) == agent
     assert PipelineConfig.model_validate(agent.model_dump(mode="json")) == agent  # a flow run's stored parameter
@@ -450,15 +452,15 @@ def test_a_preset_extends_another_section_by_section(tmp_path):
 def test_flags_override_the_preset_section(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({"rl": load_preset("tiny")["rl"] | {"seed": 3}}))
-    cfg = parse_stage_args("rl", ["--config", str(path)], require_inputs=False)
+    cfg = parse_stage_args(STAGES["rl"], ["--config", str(path)], require_inputs=False)
     assert cfg.seed == 3 and cfg.use_kl_loss
-    cfg = parse_stage_args("rl", ["--config", str(path), "--seed", "7", "--no_use_kl_loss", "--kl_estimator", "k1",
+    cfg = parse_stage_args(STAGES["rl"], ["--config", str(path), "--seed", "7", "--no_use_kl_loss", "--kl_estimator", "k1",
                                   "--reward_clip_range", "-5", "5"], require_inputs=False)
     assert cfg.seed == 7 and not cfg.use_kl_loss and cfg.reward_clip_range == (-5.0, 5.0)
 
 
 def test_none_unsets_a_preset_value(capsys):
-    cfg = parse_stage_args("rl", ["--config", "llama3-8b", "--reward_pretrain", "none", "--remote_rm_url", "reward.py",
+    cfg = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b", "--reward_pretrain", "none", "--remote_rm_url", "reward.py",
                                   "--no_normalize_reward"])
     assert cfg.reward_pretrain is None and cfg.remote_rm_url == "reward.py" and "reward" not in cfg.role_ranks()
     assert "invalid int value: 'x'" in parse_error(capsys, "rl", ["--vllm_num_engines", "x"])
@@ -490,18 +492,18 @@ def test_pipeline_overrides_merge_and_errors_name_the_field():
 # ---------------------------------------------------------------- help, descriptions, hashing
 
 def test_every_field_has_a_one_line_description():
-    for model_cls in [*STAGE_CONFIGS.values(), PipelineConfig]:
+    for model_cls in [*STAGES.values(), PipelineConfig]:
         for name, field in model_cls.model_fields.items():
             assert field.description and "\n" not in field.description, f"{model_cls.__name__}.{name}"
 
 
-@pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
+@pytest.mark.parametrize("stage", list(STAGES))
 def test_help_lists_every_field_with_its_description(stage, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_stage_args(stage, ["--help"])
+        parse_stage_args(STAGES[stage], ["--help"])
     assert exit_info.value.code == 0
     shown = "".join(capsys.readouterr().out.split())
-    for name, field in STAGE_CONFIGS[stage].model_fields.items():
+    for name, field in STAGES[stage].model_fields.items():
         assert f"--{name}" in shown
         assert "".join(field.description.split()) in shown, name
 
@@ -514,10 +516,10 @@ def test_build_parser_flag_shapes():
 
 
 def test_lora_flags_take_openrlhf_values():
-    cfg = parse_stage_args("sft", [*TINY, "--lora_rank", "8", "--lora_alpha", "32", "--target_modules", "q_proj",
+    cfg = parse_stage_args(STAGES["sft"], [*TINY, "--lora_rank", "8", "--lora_alpha", "32", "--target_modules", "q_proj",
                                    "v_proj", "--lora_dropout", "0.05"], require_inputs=False)
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.target_modules, cfg.lora_dropout) == (8, 32, ["q_proj", "v_proj"], 0.05)
-    assert parse_stage_args("rl", TINY, require_inputs=False).target_modules == ["all-linear"]
+    assert parse_stage_args(STAGES["rl"], TINY, require_inputs=False).target_modules == ["all-linear"]
 
 
 def test_the_stage_key_is_stable_and_ignores_where_outputs_go():
@@ -547,24 +549,24 @@ def test_a_hub_dataset_whose_revision_cannot_be_told_gives_no_stage_key(monkeypa
 
 def test_a_resolved_stage_config_round_trips_through_yaml(tmp_path, capsys):
     _, argv = stage_argv(SEED_GRPO)
-    cfg = parse_stage_args("rl", ["--config", "llama3-8b", *argv])
+    cfg = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b", *argv])
     section, flat = tmp_path / "section.yaml", tmp_path / "flat.yaml"
     section.write_text(yaml.safe_dump({"rl": cfg.model_dump(mode="json")}))
     flat.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))  # one stage's flags, as a job's workspace holds
-    assert parse_stage_args("rl", ["--config", str(section)]) == cfg
-    assert parse_stage_args("rl", ["--config", str(flat)]) == cfg
+    assert parse_stage_args(STAGES["rl"], ["--config", str(section)]) == cfg
+    assert parse_stage_args(STAGES["rl"], ["--config", str(flat)]) == cfg
     flat.write_text(yaml.safe_dump({"seed": 1, "actor_lr": 1.0}))
     assert f"unknown field actor_lr in {flat}" in parse_error(capsys, "rl", ["--config", str(flat)])
 
 
 def test_a_wandb_key_given_as_openrlhf_takes_it_is_refused_without_being_echoed(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_stage_args("rl", ["--use_wandb", "canary-wandb-key-123"], require_inputs=False)
+        parse_stage_args(STAGES["rl"], ["--use_wandb", "canary-wandb-key-123"], require_inputs=False)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--use_wandb takes no value here: put the W&B key in WANDB_API_KEY" in err and "canary" not in err
     with pytest.raises(SystemExit):
-        parse_stage_args("rl", ["--use_wandb=canary-wandb-key-123"], require_inputs=False)
+        parse_stage_args(STAGES["rl"], ["--use_wandb=canary-wandb-key-123"], require_inputs=False)
     assert "canary" not in capsys.readouterr().err
 
 
@@ -577,7 +579,7 @@ def test_a_mixture_is_fingerprinted_and_pinned_part_by_part(tmp_path):
     first.write_text('{"prompt": "a", "response": "x"}\n')
     second.write_text('{"prompt": "b", "response": "y"}\n')
     mixture = f"{first},{second}"
-    cfg = parse_stage_args("sft", [*TINY, "--pretrain", "p", "--dataset", mixture, "--dataset_probs", "0.5,0.5"])
+    cfg = parse_stage_args(STAGES["sft"], [*TINY, "--pretrain", "p", "--dataset", mixture, "--dataset_probs", "0.5,0.5"])
     assert cfg.dataset_probabilities == [0.5, 0.5]
 
     def key(config) -> str:
@@ -598,14 +600,14 @@ def test_offloaded_frozen_models_keep_their_zero3_partitions_in_host_memory():
     from stages.engine import deepspeed_config
     from stages.fields import cpu_notes
 
-    cfg = parse_stage_args("rl", [*TINY, "--zero_stage", "3", "--ref_reward_offload"], require_inputs=False)
+    cfg = parse_stage_args(STAGES["rl"], [*TINY, "--zero_stage", "3", "--ref_reward_offload"], require_inputs=False)
     offloaded = deepspeed_config(cfg, world_size=1, train_batch_size=128, micro_batch_size=16, train=False,
                                  offload_params=True)
     assert offloaded["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert "offload_param" not in deepspeed_config(cfg, world_size=1, train_batch_size=128, micro_batch_size=16,
                                                    train=False)["zero_optimization"]
     assert any(note.startswith("--ref_reward_offload has no effect on CPU") for note in cpu_notes(cfg))
-    dpo = parse_stage_args("dpo", [*TINY, "--zero_stage", "3", "--ref_offload"], require_inputs=False)
+    dpo = parse_stage_args(STAGES["dpo"], [*TINY, "--zero_stage", "3", "--ref_offload"], require_inputs=False)
     assert any(note.startswith("--ref_offload has no effect on CPU") for note in cpu_notes(dpo))
 
 
@@ -615,9 +617,9 @@ def test_packing_turns_flash_attention_on_as_in_openrlhf():
     from stages.errors import StageInputError
     from stages.model_io import attn_implementation
 
-    packed = parse_stage_args("sft", [*TINY, "--packing_samples"], require_inputs=False)
+    packed = parse_stage_args(STAGES["sft"], [*TINY, "--packing_samples"], require_inputs=False)
     assert packed.flash_attn and packed.notes() == ["--packing_samples turns --flash_attn on, as in OpenRLHF"]
-    explicit = parse_stage_args("sft", [*TINY, "--packing_samples", "--no_flash_attn"], require_inputs=False)
+    explicit = parse_stage_args(STAGES["sft"], [*TINY, "--packing_samples", "--no_flash_attn"], require_inputs=False)
     assert not explicit.flash_attn and "block mask" in explicit.notes()[0]
     assert attn_implementation(packed, "cpu") is None
     if importlib.util.find_spec("flash_attn") is None:  # this machine: no GPU build of flash-attn

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_workers import built, ragged_shard
 
 from stages.cli import parse_stage_args
-from stages.roles import CriticWorker, PolicyWorker, rank_micro_batches, sequence_log_probs
+from stages.registry import STAGES
+from stages.rl.roles import CriticWorker, PolicyWorker, rank_micro_batches, sequence_log_probs
 from stages.sequences import balanced_partitions, build_sequences, first_fit_count, select_rows
-
-from rank_workers import built, ragged_shard
 
 
 def test_first_fit_counts_the_micro_batches_of_a_token_budget():
@@ -83,8 +83,8 @@ def test_an_optimizer_step_by_token_budget_is_the_step_by_fixed_micro_batches(sf
              "--micro_rollout_batch_size", "2",
              "--remote_rm_url", "stages/tiny_reward.py", "--entropy_loss_coef", "0.01"]
     flags += ["--packing_samples"] if packing else []
-    fixed_cfg = parse_stage_args("rl", [*flags, "--micro_train_batch_size", "2"])
-    dynamic_cfg = parse_stage_args("rl", [*flags, "--use_dynamic_batch", "--train_max_tokens_per_gpu", "30",
+    fixed_cfg = parse_stage_args(STAGES["rl"], [*flags, "--micro_train_batch_size", "2"])
+    dynamic_cfg = parse_stage_args(STAGES["rl"], [*flags, "--use_dynamic_batch", "--train_max_tokens_per_gpu", "30",
                                           "--rollout_max_tokens_per_gpu", "45"])
     shard = ragged_shard()
     lengths = shard["attention_mask"].sum(dim=1).tolist()
@@ -131,7 +131,7 @@ def test_the_experience_forwards_fill_each_row_of_the_batch(sft_model):
     """Log-probs by token budget land in their rows, at the batch's width, equal to each sequence's own."""
     from stages.model_io import load_causal_lm
 
-    cfg = parse_stage_args("rl", ["--config", "tiny", "--pretrain", str(sft_model), "--prompt_data", "p.jsonl", "--remote_rm_url",
+    cfg = parse_stage_args(STAGES["rl"], ["--config", "tiny", "--pretrain", str(sft_model), "--prompt_data", "p.jsonl", "--remote_rm_url",
                                   "stages/tiny_reward.py", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "20"])
     model = load_causal_lm(sft_model).eval()
     shard = ragged_shard(seed=1)

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.code import module_closure
-from stages.config import STAGE_CONFIGS
+from pipeline.code import entry_module, module_closure
+from stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG_MODULE = "stages.config"
 # Config methods that only check or describe a config: reading a field there does not make it act.
 VALIDATORS = frozenset({"_reject_impossible", "_problems", "_placement_problems", "_algorithm_problems",
                         "missing_inputs", "train_world_sizes"})
@@ -45,6 +44,11 @@ def loaded_names(node: ast.AST) -> tuple[set[str], set[str]]:
     return referred | read, read
 
 
+def is_config_module(module: str) -> bool:
+    """stages/config.py (the shared config classes) or a stage's config.py (its own)."""
+    return module == "stages.config" or (module.startswith("stages.") and module.endswith(".config"))
+
+
 def definitions(trees: dict[str, ast.Module]) -> dict[str, list[ast.AST]]:
     """Functions, classes, methods and module-level names (e.g. a table of worker classes) of the modules by name
     (config classes by their members only)."""
@@ -52,9 +56,9 @@ def definitions(trees: dict[str, ast.Module]) -> dict[str, list[ast.AST]]:
     for module, tree in trees.items():
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not (
-                    module == CONFIG_MODULE and isinstance(node, ast.ClassDef)):
+                    is_config_module(module) and isinstance(node, ast.ClassDef)):
                 found.setdefault(node.name, []).append(node)
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and module != CONFIG_MODULE:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and not is_config_module(module):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name) and node.value is not None:
@@ -69,6 +73,7 @@ def definitions(trees: dict[str, ast.Module]) -> dict[str, list[ast.AST]]:
 def unread_fields(root: Path, entry: str, fields: set[str]) -> set[str]:
     """Fields of a stage config that no code reachable from the stage's entrypoint module reads."""
     trees = module_closure(entry, root)
+    entry = entry_module(entry, root)
     defined = definitions(trees)
     read: set[str] = set()
     visited: set[int] = set()
@@ -84,9 +89,9 @@ def unread_fields(root: Path, entry: str, fields: set[str]) -> set[str]:
     return fields - read
 
 
-@pytest.mark.parametrize("stage", list(STAGE_CONFIGS))
+@pytest.mark.parametrize("stage", list(STAGES))
 def test_every_config_field_is_read_by_its_stage(stage):
-    fields = set(STAGE_CONFIGS[stage].model_fields)
+    fields = set(STAGES[stage].model_fields)
     unread = unread_fields(ROOT, f"stages.{stage}", fields)
     assert not unread, f"stages.{stage}: no code reads --{', --'.join(sorted(unread))}"
 

@@ -9,9 +9,14 @@ import json
 
 import pytest
 
-from stages import data, dpo, kto, reward_model, sft
+from stages import data
 from stages.cli import parse_stage_args
 from stages.data import DataValidationError
+from stages.dpo import train as dpo
+from stages.kto import train as kto
+from stages.registry import STAGES
+from stages.reward_model import train as reward_model
+from stages.sft import train as sft
 
 
 def read_jsonl(path) -> list[dict]:
@@ -20,9 +25,9 @@ def read_jsonl(path) -> list[dict]:
 
 def examples_of(stage_module, stage: str, tokenizer, source, *flags: str, rows: int = 8):
     """Validate and tokenise the first rows of `source` exactly as the stage does with these flags."""
-    cfg = parse_stage_args(stage, ["--config", "tiny", "--pretrain", "unused", "--dataset", str(source), *flags])
+    cfg = parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", "unused", "--dataset", str(source), *flags])
     loaded = data.load_rows(str(source), max_samples=rows)
-    stage_module.validate_rows(cfg, loaded, str(source))
+    cfg.validate_rows(loaded, str(source))
     return stage_module.build_examples(cfg, tokenizer, loaded)
 
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from stages import engine, lora, packing
 from stages.cli import parse_stage_args
 from stages.model_io import load_causal_lm, load_tokenizer, load_value_model
+from stages.registry import STAGES
 from stages.tiny import build_tiny_model
 
 SEQUENCES = [[2, 40, 41, 42, 43, 3], [2, 50, 51, 3]]
@@ -31,7 +32,7 @@ def load(model_dir, value_model: bool):
 
 def adapted(model_dir, value_model: bool, *flags: str):
     """The tiny model wrapped from --lora_* flags, adapters moved off their zero start (a trained adapter)."""
-    cfg = parse_stage_args("sft", ["--config", "tiny", "--lora_rank", "4", "--lora_alpha", "8", *flags],
+    cfg = parse_stage_args(STAGES["sft"], ["--config", "tiny", "--lora_rank", "4", "--lora_alpha", "8", *flags],
                            require_inputs=False)
     torch.manual_seed(0)
     model = lora.wrap(load(model_dir, value_model), cfg, value_model=value_model)
@@ -56,7 +57,7 @@ def test_wrap_trains_adapters_only_and_is_off_without_rank(model_dir):
     value = adapted(model_dir, True)
     assert any("score.modules_to_save" in name for name, p in value.named_parameters() if p.requires_grad)
     plain = load(model_dir, False)
-    assert lora.wrap(plain, parse_stage_args("sft", ["--config", "tiny"], require_inputs=False),
+    assert lora.wrap(plain, parse_stage_args(STAGES["sft"], ["--config", "tiny"], require_inputs=False),
                      value_model=False) is plain
 
 
@@ -106,7 +107,7 @@ def test_4bit_weights_merge_dequantized_and_export_as_a_full_model(model_dir, va
     from bitsandbytes.functional import dequantize_4bit
 
     flags = ["--config", "tiny", "--lora_rank", "4", "--lora_alpha", "8", "--load_in_4bit", "--bf16"]
-    cfg = parse_stage_args("sft", flags, require_inputs=False)
+    cfg = parse_stage_args(STAGES["sft"], flags, require_inputs=False)
     loader = load_value_model if value_model else load_causal_lm
     quantized = loader(model_dir, dtype=torch.bfloat16, load_in_4bit=True)
     q_proj = quantized.model.layers[0].self_attn.q_proj

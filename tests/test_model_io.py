@@ -117,8 +117,8 @@ def flip_a_byte(fs, path: str) -> None:
 def test_a_committed_model_is_loaded_only_after_its_checksums_and_a_flipped_byte_stops_the_stage(
         backend, tiny_model_dir, tmp_path, model_cache, request):  # fmt: skip
     from infra.artifacts import open_store
-    from stages.config import RewardModelConfig
     from stages.errors import StageInputError
+    from stages.reward_model.config import RewardModelConfig
 
     root = str(tmp_path / "artifacts") if backend == "file" else request.getfixturevalue("s3_root")
     store = open_store(root, "pipe")
@@ -140,7 +140,7 @@ def test_a_committed_model_is_loaded_only_after_its_checksums_and_a_flipped_byte
 
 
 def test_names_and_plain_folders_are_loaded_as_they_are(tiny_model_dir):
-    from stages.config import RewardModelConfig
+    from stages.reward_model.config import RewardModelConfig
 
     model_io.check_model_inputs("reward_model", RewardModelConfig(pretrain="meta-llama/Meta-Llama-3-8B"))
     model_io.check_model_inputs("reward_model", RewardModelConfig(pretrain=str(tiny_model_dir)))  # no manifest

@@ -13,18 +13,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import built_once
+from rank_workers import built, ragged_shard
+from stage_runs import history_of, run_stage
 from transformers import AutoModelForCausalLM
 
-from conftest import built_once
-from stage_runs import history_of, run_stage
-from stages import data, dpo, lora, moe, packing, reward_model, sft
+from stages import data, lora, moe, packing
 from stages.cli import parse_stage_args
+from stages.dpo import train as dpo
 from stages.errors import StageInputError
 from stages.model_io import load_causal_lm, load_tokenizer, load_value_model
-from stages.roles import CriticWorker, PolicyWorker, TokenValueModel
-from stages.sequences import pad_sequences
+from stages.registry import STAGES as STAGE_CONFIGS
+from stages.reward_model import train as reward_model
+from stages.rl.roles import CriticWorker, PolicyWorker, TokenValueModel
+from stages.sequences import pad_sequences, pair_sequences
+from stages.sft import train as sft
 from stages.tiny import TINY_EXPERTS, TINY_TOP_K, build_tiny_model
-from rank_workers import built, ragged_shard
 
 COEF = 0.01
 
@@ -89,7 +93,7 @@ def test_other_moe_families_give_their_own_aux_loss(architecture):
 
 
 def test_the_base_model_is_found_inside_lora_and_value_model_wrappers(moe_model, tokenizer):
-    cfg = parse_stage_args("sft", ["--config", "tiny", "--pretrain", str(moe_model), "--dataset", "d.jsonl",
+    cfg = parse_stage_args(STAGE_CONFIGS["sft"], ["--config", "tiny", "--pretrain", str(moe_model), "--dataset", "d.jsonl",
                                    "--lora_rank", "4"])
     causal = load_causal_lm(moe_model)
     wrapped = lora.wrap(load_causal_lm(moe_model), cfg, value_model=False)
@@ -121,7 +125,7 @@ def stage_worker(stage: str, moe_model, tokenizer, coef: float):
     """A stage worker without Ray or DeepSpeed (as tests/test_packing.py builds them), on a fresh tiny Mixtral: 32
     samples per step in micro-batches of 8 over the preset's 2 ranks, i.e. 4 micro-batches per step."""
     worker_cls = STAGES[stage][1]
-    cfg = parse_stage_args(stage, ["--config", "tiny", "--pretrain", str(moe_model), "--dataset", "d.jsonl",
+    cfg = parse_stage_args(STAGE_CONFIGS[stage], ["--config", "tiny", "--pretrain", str(moe_model), "--dataset", "d.jsonl",
                                    "--max_len", "64", "--train_batch_size", "32", "--micro_train_batch_size", "8",
                                    "--num_gpus_per_node", "2", "--aux_loss_coef", str(coef)])
     worker = worker_cls.__new__(worker_cls)
@@ -150,7 +154,7 @@ def test_the_micro_batch_loss_adds_its_share_of_the_step_mean_aux_loss(stage, mo
         results[coef] = loss.detach(), stats, router_grads(worker.engine)
     # The aux loss of the same batch, padded as the stage pads it, as Mixtral's CausalLM reports it (a value model
     # routes with the same base model).
-    sequences = [e["input_ids"] for e in examples] if stage == "sft" else reward_model.pair_sequences(examples)
+    sequences = [e["input_ids"] for e in examples] if stage == "sft" else pair_sequences(examples)
     input_ids, attention_mask = pad_sequences(sequences, tokenizer.pad_token_id)
     aux_model = load_causal_lm(moe_model)
     aux = aux_model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True).aux_loss
@@ -185,20 +189,20 @@ def test_a_model_without_routers_is_refused_naming_the_flag_and_the_model(assets
 def test_the_flag_is_a_non_negative_weight_of_sft_rm_dpo_and_rl_only(capsys):
     base = ["--config", "tiny", "--pretrain", "m", "--dataset", "d.jsonl"]
     for stage in ("sft", "reward_model", "dpo"):
-        assert parse_stage_args(stage, [*base, "--aux_loss_coef", "0.01"]).aux_loss_coef == 0.01
-        assert parse_stage_args(stage, base).aux_loss_coef == 0.0
-    assert parse_stage_args("rl", ["--config", "tiny", "--pretrain", "m", "--prompt_data", "p.jsonl",
+        assert parse_stage_args(STAGE_CONFIGS[stage], [*base, "--aux_loss_coef", "0.01"]).aux_loss_coef == 0.01
+        assert parse_stage_args(STAGE_CONFIGS[stage], base).aux_loss_coef == 0.0
+    assert parse_stage_args(STAGE_CONFIGS["rl"], ["--config", "tiny", "--pretrain", "m", "--prompt_data", "p.jsonl",
                                    "--remote_rm_url", "r.py", "--aux_loss_coef", "0.01"]).aux_loss_coef == 0.01
     for stage, flags in (("sft", ["--aux_loss_coef", "-0.1"]), ("kto", ["--aux_loss_coef", "0.01"])):
         with pytest.raises(SystemExit) as exit_info:
-            parse_stage_args(stage, [*base, *flags])
+            parse_stage_args(STAGE_CONFIGS[stage], [*base, *flags])
         assert exit_info.value.code == 2
         assert "--aux_loss_coef" in capsys.readouterr().err
 
 
 def rl_config(pretrain, coef: float):
     """PPO on one rank: 8 sequences per optimizer step in 4 micro-batches of 2."""
-    return parse_stage_args("rl", [
+    return parse_stage_args(STAGE_CONFIGS["rl"], [
         "--config", "tiny", "--pretrain", str(pretrain), "--advantage_estimator", "gae", "--prompt_data", "p.jsonl",
         "--train_batch_size", "8", "--rollout_batch_size", "2", "--n_samples_per_prompt", "4",
         "--micro_rollout_batch_size", "2", "--micro_train_batch_size", "2", "--remote_rm_url",

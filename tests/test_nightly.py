@@ -25,13 +25,14 @@ from pipeline.config import (
     policy_stage,
     shape_inputs,
 )
-from stages.config import STAGE_CONFIGS, ConfigError
-from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
-from pipeline.memory import GIB, ModelShape, frozen_memory, rl_memory, trained_memory
-from pipeline.plan import ClusterResources, _check_fit, ray_request
-from stages.cli import parse_stage_args
 from pipeline.gate import check_gate
 from pipeline.identity import stage_identity
+from pipeline.memory import GIB, ModelShape, frozen_memory, rl_memory, trained_memory
+from pipeline.plan import ClusterResources, _check_fit, ray_request
+from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
+from stages.cli import parse_stage_args
+from stages.config import ConfigError
+from stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_PRESETS = ("llama3-8b", "llama3-8b-grpo")
@@ -48,13 +49,13 @@ def test_every_shape_ends_in_an_evaluation_of_its_one_policy_fed_by_earlier_stag
     for stage, fed in wiring.items():
         for field, producer in fed.items():
             assert stages.index(producer) < stages.index(stage), (stage, field)
-            assert field in STAGE_CONFIGS[stage].model_fields, (stage, field)
+            assert field in STAGES[stage].model_fields, (stage, field)
     assert shape.replace("rm", "reward_model").split("-") == [s for s in stages if s != "evaluate"]
 
 
 def test_the_tables_name_existing_fields():
     for stage, field in [*STAGE_INPUTS, *TINY_ASSET_FIELDS]:
-        assert field in STAGE_CONFIGS[stage].model_fields, (stage, field)
+        assert field in STAGES[stage].model_fields, (stage, field)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -272,7 +273,7 @@ def test_4bit_weights_worked_numbers():
 def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest():
     """llama3-8b's RL (everything on the 8 GPUs, ZeRO-3, both sleep modes): the peak is generation, the engines'
     40 GiB plus the frozen models' weights; without the sleep modes every model's states stay resident."""
-    cfg = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False)
+    cfg = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b"], require_inputs=False)
     shape = ModelShape.from_config(LLAMA3_8B)
     shapes = {role: shape for role in ("actor", "critic", "ref", "reward")}
     [(where, members, peak)] = rl_memory(cfg, shapes, 80 * GIB)
@@ -367,7 +368,7 @@ def test_the_plan_checks_each_stage_data_with_the_stage_own_validation(tmp_path)
 
     kto_rows = tmp_path / "kto.jsonl"
     kto_rows.write_text("\n".join(json.dumps({"prompt": "2+3=", "completion": "5", "label": True}) for _ in range(3)))
-    kto = STAGE_CONFIGS["kto"](pretrain="m", dataset=str(kto_rows), input_key="prompt", output_key="completion",
+    kto = STAGES["kto"](pretrain="m", dataset=str(kto_rows), input_key="prompt", output_key="completion",
                                label_key="label")
     problems = []
     assert [c.schema_check for c in check_datasets("kto", kto, problems)] == ["ok (3 rows)"] and problems == []
@@ -377,7 +378,7 @@ def test_the_plan_checks_each_stage_data_with_the_stage_own_validation(tmp_path)
 
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))  # no assistant turn to learn
-    sft = STAGE_CONFIGS["sft"](pretrain="m", dataset=str(chat), input_key="messages", multiturn=True,
+    sft = STAGES["sft"](pretrain="m", dataset=str(chat), input_key="messages", multiturn=True,
                                apply_chat_template=True)
     check_datasets("sft", sft, problems := [])
     assert problems and problems[0].startswith("sft.dataset: ")

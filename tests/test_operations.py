@@ -29,8 +29,8 @@ from infra.ray_cluster import (
 )
 from infra.secrets import RedactingStream, Redactor, is_secret_name
 from infra.settings import get_settings
-from tasks.progress import parse_step_line
 from pipeline.report import learning_curve_png, metrics_table
+from tasks.progress import parse_step_line
 
 NO_SUCH_PID = 2**22 + 4242  # above Linux's largest pid_max: signalling it can never reach a process
 
@@ -258,7 +258,7 @@ def test_crash_retries_are_counted_since_the_run_was_last_scheduled_by_hand():
 
 
 def test_wandb_files_stay_outside_the_output_and_its_config_is_redacted(tmp_path, monkeypatch):
-    from stages.config import EvaluateConfig
+    from stages.evaluate.config import EvaluateConfig
     from stages.tracking import StepLog
 
     for name in ("WANDB_API_KEY", "WANDB_DIR"):

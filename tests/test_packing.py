@@ -14,8 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from stages import data, dpo, kto, lora, packing, reward_model, sft
+from stages import data, lora, packing
 from stages.cli import parse_stage_args
+from stages.dpo import train as dpo
+from stages.kto import train as kto
+from stages.registry import STAGES
+from stages.reward_model import train as reward_model
+from stages.sft import train as sft
 
 TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4
@@ -84,7 +89,7 @@ STAGE_DATA = {
 @pytest.mark.parametrize("stage", list(STAGE_DATA))
 def test_stage_loss_and_gradient_are_the_same_packed_and_padded(stage, lora_rank, assets, tokenizer, one_rank):
     module, worker_cls, dataset, flags = STAGE_DATA[stage]
-    cfg = parse_stage_args(stage, ["--config", "tiny", "--pretrain", str(assets["model"]), "--dataset",
+    cfg = parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", str(assets["model"]), "--dataset",
                                    str(assets[dataset]), "--max_len", "64", *flags]
                            + (["--lora_rank", str(lora_rank)] if lora_rank else []))
     examples = module.build_examples(cfg, tokenizer, data.load_rows(str(assets[dataset]), max_samples=8))

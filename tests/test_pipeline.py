@@ -27,10 +27,12 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import KillJobAfterCheckpoint
+from local_pipeline import local_pipeline_environment
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 from prefect.settings import PREFECT_API_URL
+from reward_server import RewardServer
 
 from flows.full_rlhf import full_rlhf
 from flows.results import PipelineResult
@@ -38,11 +40,8 @@ from infra.artifacts import open_store
 from infra.ray_cluster import free_port, job_client
 from infra.settings import PROJECT_ROOT
 from pipeline.config import load_pipeline_config
-from faults import KillJobAfterCheckpoint
-from local_pipeline import local_pipeline_environment
-from reward_server import RewardServer
-from stages.config import STAGE_CONFIGS
 from stages.fields import Output, names_with
+from stages.reward_model.config import RewardModelConfig
 
 pytestmark = pytest.mark.pipeline
 
@@ -227,8 +226,8 @@ def test_changed_preference_data_retrains_the_reward_model_and_what_follows(resu
     assert before.datasets["dataset"].source == after.datasets["dataset"].source
     assert before.datasets["dataset"].fingerprint != after.datasets["dataset"].fingerprint
     assert before.datasets["eval_dataset"] == after.datasets["eval_dataset"]
-    assert {k: v for k, v in before.config.items() if k not in names_with(STAGE_CONFIGS["reward_model"], Output)} == {
-        k: v for k, v in after.config.items() if k not in names_with(STAGE_CONFIGS["reward_model"], Output)}
+    assert {k: v for k, v in before.config.items() if k not in names_with(RewardModelConfig, Output)} == {
+        k: v for k, v in after.config.items() if k not in names_with(RewardModelConfig, Output)}
     assert before.inputs == after.inputs and first.stages["sft"].digest == before.inputs["pretrain"].digest
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import STAGE_CONFIGS
+from stages.registry import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRYPOINTS = ("sft", "reward_model", "dpo", "kto", "rl", "evaluate")
@@ -42,5 +42,5 @@ def test_stage_help_lists_every_config_field(stage):
     proc = subprocess.run([sys.executable, "-m", f"stages.{stage}", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for name in STAGE_CONFIGS[stage].model_fields:
+    for name in STAGES[stage].model_fields:
         assert f"--{name}" in proc.stdout, f"stages.{stage} --help does not list --{name}"

@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 from fsspec.core import url_to_fs
+from local_pipeline import local_pipeline_environment
 from prefect.settings import PREFECT_API_URL
+from stage_runs import max_weight_change
 
 from infra.artifacts import open_store
 from infra.ray_cluster import job_client
 from infra.settings import PROJECT_ROOT
-from local_pipeline import local_pipeline_environment
 from pipeline.config import load_pipeline_config, policy_stage
-from stages.config import STAGE_CONFIGS
 from stages.fields import Output, names_with
-from stage_runs import max_weight_change
+from stages.registry import STAGES
 
 pytestmark = pytest.mark.pipeline
 
@@ -78,7 +78,7 @@ def test_gpu_preset_rehearsed_on_cpu_end_to_end(rehearsals, preset):
         manifest = store.get(stage, 1)
         preset_values = config.section(stage).model_dump(mode="json")
         for field, value in manifest.config.items():  # what the job ran with: the preset's, but for the swaps
-            if field in manifest.inputs or field in names_with(STAGE_CONFIGS[stage], Output) or (stage, field) in swapped:
+            if field in manifest.inputs or field in names_with(STAGES[stage], Output) or (stage, field) in swapped:
                 continue
             preset_value = preset_values[field]  # a relative path is made absolute for the jobs
             assert value == preset_value or value == str((PROJECT_ROOT / str(preset_value)).resolve()), (stage, field)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from stage_runs import history_of, run_stage
 
 from infra.ray_cluster import free_port
 from stages.cli import parse_stage_args
-from stage_runs import history_of, run_stage
+from stages.registry import STAGES
 
 TOLERANCE = 1e-5
 
@@ -33,7 +34,7 @@ def _ring_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from stages import packing, ring_attention
-    from stages.roles import policy_forward
+    from stages.rl.roles import policy_forward
     from stages.sequences import build_sequences
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -89,15 +90,15 @@ def test_a_ring_of_two_ranks_computes_the_whole_rows_log_probs_values_and_gradie
 def test_ring_attention_flags_are_checked_before_anything_runs():
     base = ["--config", "tiny", "--pretrain", "m", "--dataset", "d"]
     with pytest.raises(SystemExit):
-        parse_stage_args("sft", [*base, "--ring_attn_size", "2"])  # SFT needs --packing_samples, as in OpenRLHF
+        parse_stage_args(STAGES["sft"], [*base, "--ring_attn_size", "2"])  # SFT needs --packing_samples, as in OpenRLHF
     with pytest.raises(SystemExit):
-        parse_stage_args("sft", [*base, "--ring_attn_size", "3", "--packing_samples"])  # 3 does not divide 2 ranks
+        parse_stage_args(STAGES["sft"], [*base, "--ring_attn_size", "3", "--packing_samples"])  # 3 does not divide 2 ranks
     with pytest.raises(SystemExit):
-        parse_stage_args("sft", [*base, "--ring_head_stride", "2"])  # configures a ring that is off
-    sft = parse_stage_args("sft", [*base, "--ring_attn_size", "2", "--packing_samples"])
+        parse_stage_args(STAGES["sft"], [*base, "--ring_head_stride", "2"])  # configures a ring that is off
+    sft = parse_stage_args(STAGES["sft"], [*base, "--ring_attn_size", "2", "--packing_samples"])
     assert sft.ring_attn_size == 2 and any("ring attention" in note for note in sft.notes())
     # The RL stage turns packing on for a ring, as OpenRLHF's does, and says so.
-    rl = parse_stage_args("rl", ["--config", "tiny", "--pretrain", "m", "--prompt_data", "p", "--ring_attn_size", "2",
+    rl = parse_stage_args(STAGES["rl"], ["--config", "tiny", "--pretrain", "m", "--prompt_data", "p", "--ring_attn_size", "2",
                                  "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2",
                                  "--remote_rm_url", "stages/tiny_reward.py"])
     assert rl.packing_samples and "--ring_attn_size 2 turns --packing_samples on, as in OpenRLHF" in rl.notes()

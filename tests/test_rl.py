@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from stages.cli import parse_stage_args
-from stages.model_io import load_value_model
-from pipeline.config import load_pipeline_config
-from pipeline.rehearsal import StandIns, rehearse_stage
-
 from conftest import free_port
 from faults import rewound_checkpoints
 from stage_runs import history_of, max_weight_change, metrics_of, run_stage, weights
 from test_config import SEED_GRPO, SEED_PPO, SEED_PPO_HYBRID, stage_argv
 from test_rewards import RewardServer
+
+from pipeline.config import load_pipeline_config
+from pipeline.rehearsal import StandIns, rehearse_stage
+from stages.cli import parse_stage_args
+from stages.model_io import load_value_model
+from stages.registry import STAGES
 
 pytestmark = pytest.mark.slow
 
@@ -250,7 +250,7 @@ def test_the_seed_grpo_command_rehearsed_on_cpu(tmp_path, assets, sft_model, rew
     """The seed's Workflow 2 GRPO command (our module path) runs two rollouts with only the stated swaps, every flag
     meaning what it means in OpenRLHF."""
     argv = stage_argv(SEED_GRPO)[1]
-    preset = parse_stage_args("rl", argv, require_inputs=False).model_dump(mode="json")
+    preset = parse_stage_args(STAGES["rl"], argv, require_inputs=False).model_dump(mode="json")
     stand_ins = StandIns(base_model=str(assets["model"]), policy_model=str(sft_model), reward_model=str(reward_model),
                          data_dir=assets["prompts_train"].parent, fixtures_dir=tmp_path / "fixtures")
     values, swaps = rehearse_stage("rl", preset, stand_ins)
@@ -278,13 +278,13 @@ def test_the_seed_ppo_commands_are_the_llama3_8b_presets_rl_section():
     PPO line is the same command without packing (so without FlashAttention), gradient checkpointing and the engines'
     memory share, on the reward model it trained: padded PPO with a critic is test_ppo_with_critic_and_reward_model_
     learns's, on two ranks per model the GRPO command's above."""
-    hybrid = parse_stage_args("rl", stage_argv(SEED_PPO_HYBRID)[1], require_inputs=False).model_dump(mode="json")
+    hybrid = parse_stage_args(STAGES["rl"], stage_argv(SEED_PPO_HYBRID)[1], require_inputs=False).model_dump(mode="json")
     preset = load_pipeline_config("llama3-8b").rl.model_dump(mode="json")
     differing = {field for field in hybrid if hybrid[field] != preset[field]}
     assert differing == {"device", "prompt_data", "input_key", "apply_chat_template", "max_samples", "save_path",
                          "save_steps", "max_ckpt_num"}, differing
     assert (hybrid["device"], preset["device"]) == ("auto", "cuda")
-    workflow_1 = parse_stage_args("rl", stage_argv(SEED_PPO)[1], require_inputs=False).model_dump(mode="json")
+    workflow_1 = parse_stage_args(STAGES["rl"], stage_argv(SEED_PPO)[1], require_inputs=False).model_dump(mode="json")
     differing = {field: workflow_1[field] for field in hybrid if hybrid[field] != workflow_1[field]}
     assert differing == {"packing_samples": False, "flash_attn": False, "gradient_checkpointing": False,
                          "vllm_gpu_memory_utilization": 0.95, "reward_pretrain": "./output/llama3-8b-rm",

@@ -15,21 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.cli import parse_stage_args
-from stages.config import RLConfig
 from pipeline.rehearsal import StandIns, rehearse_stage
-from stages.rl import PromptStream, drift_warnings
+from stages.cli import parse_stage_args
 from stages.placement import models_take_turns, placement_plan, rank_processes
-from stages.roles import ending_with_eos, reward_normalization
-from stages.rollout_queue import RolloutQueue
+from stages.registry import STAGES
+from stages.rl.config import RLConfig
+from stages.rl.driver import PromptStream, drift_warnings
+from stages.rl.roles import ending_with_eos, reward_normalization
+from stages.rl.rollout_queue import RolloutQueue
+from stages.rl.weight_sync import SharedBucket, bucket_bytes_total, open_shared, plan_buckets, share_bucket
 from stages.tiny import build_tiny_datasets
-from stages.weight_sync import SharedBucket, bucket_bytes_total, open_shared, plan_buckets, share_bucket
 
 TINY = ["--config", "tiny"]
 
 
 def rl_config(*flags: str):
-    return parse_stage_args("rl", [*TINY, *flags], require_inputs=False)
+    return parse_stage_args(STAGES["rl"], [*TINY, *flags], require_inputs=False)
 
 
 class EnginesLog:
@@ -194,7 +195,7 @@ def test_a_shared_bucket_opens_as_the_same_weights_and_its_segment_goes_with_its
     bucket = [("a", (2, 3), "float32"), ("b", (4,), "float32")]
     held, shared = share_bucket(tensors, torch.device("cpu"))
     # Opened by another process, as an engine does (one of this process would share its resource tracker).
-    opener = ("import pickle, sys, torch; from stages.weight_sync import open_shared; "
+    opener = ("import pickle, sys, torch; from stages.rl.weight_sync import open_shared; "
               "shared, bucket = pickle.loads(sys.stdin.buffer.read()); "
               "print({name: t.tolist() for name, t in open_shared([shared], bucket, torch.device('cpu'))})")
     proc = subprocess.run([sys.executable, "-c", opener], input=pickle.dumps((shared, bucket)), capture_output=True,
@@ -210,7 +211,7 @@ def test_a_shared_bucket_opens_as_the_same_weights_and_its_segment_goes_with_its
 
 
 def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
-    preset = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False).model_dump(mode="json")
+    preset = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b"], require_inputs=False).model_dump(mode="json")
     data = build_tiny_datasets(tmp_path / "data")
     stand_ins = StandIns("base", "sft", "rm", data["prompts_train"].parent, tmp_path / "fixtures")
     values, swaps = rehearse_stage("rl", preset, stand_ins)
@@ -241,7 +242,7 @@ def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
 def test_a_non_finite_loss_stops_the_stage_naming_the_step_and_the_checkpoint_kept(tmp_path):
     from stages.engine import commit_checkpoint
     from stages.errors import StageInputError
-    from stages.rl import check_finite
+    from stages.rl.driver import check_finite
 
     check_finite({"policy_loss": 0.1, "kl": 0.0}, step=4, ckpt_path=str(tmp_path))
     commit_checkpoint(tmp_path, 5, max_keep=2)

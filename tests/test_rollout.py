@@ -9,11 +9,11 @@ import ray
 import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from stages.model_io import load_causal_lm, load_tokenizer, save_hf
 from stages.distributed import host_store, node_address
-from stages.rollout import create_rollout_engines, encode_prompt, resolve_backend, vllm_available
+from stages.model_io import load_causal_lm, load_tokenizer, save_hf
+from stages.rl.rollout import create_rollout_engines, encode_prompt, resolve_backend, vllm_available
+from stages.rl.weight_sync import open_group, plan_buckets, send_bucket
 from stages.tiny import build_tiny_model, format_response
-from stages.weight_sync import open_group, plan_buckets, send_bucket
 
 pytestmark = pytest.mark.timeout(180)
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
@@ -229,7 +229,7 @@ def test_scored_tokens_equal_the_generated_log_probs(engine, prompts):
 def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, model_dir, prompts):
     """The engines' log-probs are those of the distribution they sampled from (logits / temperature), as the
     trainer's policy forward computes them: the off-policy correction compares the two."""
-    from stages.roles import policy_forward
+    from stages.rl.roles import policy_forward
     from stages.sequences import build_sequences
 
     rollouts = ray.get(engine.generate.remote(prompts, n=2, max_new_tokens=8, temperature=0.6, top_p=1.0, seed=5,

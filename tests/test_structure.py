@@ -15,12 +15,13 @@ from infra.settings import get_settings
 from pipeline.code import PROJECT_ROOT, code_version, imported_modules, module_closure
 from pipeline.identity import stage_identity
 from stages.cli import parse_stage_args
-from stages.config import STAGE_CONFIGS, SFTConfig
 from stages.engine import training_fingerprint
 from stages.fields import NOT_TRAINING, Dataset, GpuOnly, ModelPath, Output, cpu_notes, fields_with, names_with
+from stages.registry import STAGES
+from stages.sft.config import SFTConfig
 
 LAYERS = ("infra", "stages", "pipeline", "tasks", "flows")  # each may import only itself and those before it
-STAGES = tuple(STAGE_CONFIGS)
+STAGE_NAMES = tuple(STAGES)
 
 
 # ---------------------------------------------------------------------------------------------- field roles
@@ -53,17 +54,17 @@ def test_a_new_dataset_field_enters_the_stage_key_and_checkpoint_ownership(tmp_p
 
 
 def test_every_stage_declares_its_data_models_and_outputs():
-    for stage, cls in STAGE_CONFIGS.items():
+    for stage, cls in STAGES.items():
         datasets = fields_with(cls, Dataset)
         assert datasets and all(role.split in cls.model_fields for role in datasets.values()), stage
         assert "pretrain" in fields_with(cls, ModelPath), stage
         assert {"save_path"} <= names_with(cls, Output), stage
-    assert set(fields_with(STAGE_CONFIGS["evaluate"], Dataset)) == {"prompt_data"}
-    assert fields_with(STAGE_CONFIGS["evaluate"], Dataset)["prompt_data"].held_out
+    assert set(fields_with(STAGES["evaluate"], Dataset)) == {"prompt_data"}
+    assert fields_with(STAGES["evaluate"], Dataset)["prompt_data"].held_out
 
 
 def test_gpu_only_flags_say_once_that_they_cannot_act_on_cpu():
-    cfg = parse_stage_args("rl", ["--config", "llama3-8b"], require_inputs=False)
+    cfg = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b"], require_inputs=False)
     notes = cpu_notes(cfg)
     assert [note.split()[0] for note in notes] == ["--flash_attn", "--no_enforce_eager", "--vllm_enable_sleep",
                                                    "--deepspeed_enable_sleep", "--vllm_sync_backend"]
@@ -83,7 +84,7 @@ def project_copy(tmp_path_factory) -> Path:
 
 
 def versions(root: Path) -> dict[str, str]:
-    return {stage: code_version(f"stages.{stage}", root) for stage in STAGES}
+    return {stage: code_version(f"stages.{stage}", root) for stage in STAGE_NAMES}
 
 
 def edited(root: Path, relative: str, old: str, new: str) -> None:
@@ -93,28 +94,47 @@ def edited(root: Path, relative: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
+def appended(root: Path, relative: str) -> None:
+    path = root / relative
+    path.write_text(path.read_text() + "# edited\n")
+
+
+def changed_by(root: Path, *relatives: str) -> set[str]:
+    """The stages whose code version changes when a comment is appended to each of `relatives`."""
+    before = versions(root)
+    for relative in relatives:
+        appended(root, relative)
+    return {stage for stage, version in versions(root).items() if version != before[stage]}
+
+
 def test_a_stage_code_version_is_the_code_its_job_runs(project_copy):
     assert versions(project_copy) == versions(PROJECT_ROOT)
-    before = versions(project_copy)
-    # Code no stage job runs: the rehearsal, a help string of the orchestration's settings, the plan.
-    edited(project_copy, "pipeline/rehearsal.py", "MAX_RANKS = 2", "MAX_RANKS = 2  # edited")
-    edited(project_copy, "infra/settings.py", "unset = start a local head on demand",
-           "unset = start a local Ray head on demand")
-    edited(project_copy, "pipeline/plan.py", "PLAN_ROWS = 64", "PLAN_ROWS = 65")
-    assert versions(project_copy) == before
-    # The algorithms: every stage that computes with them, RL among them.
-    edited(project_copy, "stages/algorithms.py", "KL_CLAMP = 10.0", "KL_CLAMP = 11.0")
-    after = versions(project_copy)
-    assert after["rl"] != before["rl"] and after["sft"] != before["sft"]
-    # The RL driver alone: only RL.
-    edited(project_copy, "stages/rl.py", "SEQUENTIAL_PHASES = (", "SEQUENTIAL_PHASES = (  # edited\n   ")
-    assert {stage for stage, version in versions(project_copy).items() if version != after[stage]} == {"rl"}
+    # Code no stage job runs: the rehearsal, a help string of the orchestration's settings, the plan, the registry.
+    assert changed_by(project_copy, "pipeline/rehearsal.py", "infra/settings.py", "pipeline/plan.py",
+                      "stages/registry.py") == set()
+    # RL's own code: its config, the vLLM rollout engines, the rollout queue, its math, its driver: RL alone, and
+    # the evaluation where it runs the same engines.
+    assert changed_by(project_copy, "stages/rl/config.py") == {"rl"}
+    assert changed_by(project_copy, "stages/rl/rollout_queue.py") == {"rl"}
+    assert changed_by(project_copy, "stages/rl/driver.py") == {"rl"}
+    assert changed_by(project_copy, "stages/rl/rollout.py") == {"rl", "evaluate"}
+    assert changed_by(project_copy, "stages/rl/algorithms.py") == {"rl", "evaluate"}
+    # One stage's entry or config: that stage alone (DPO and KTO no longer run the reward model's entry).
+    for stage in ("sft", "reward_model", "dpo", "kto", "evaluate"):
+        for module in ("__main__.py", "config.py"):
+            assert changed_by(project_copy, f"stages/{stage}/{module}") == {stage}, (stage, module)
+    assert changed_by(project_copy, "stages/reward_model/train.py") == {"reward_model"}
+    assert changed_by(project_copy, "stages/dpo/train.py") == {"dpo"}
+    # Shared code: every stage that runs it.
+    assert changed_by(project_copy, "stages/algorithms.py") == set(STAGES)
+    assert changed_by(project_copy, "stages/config.py") == set(STAGES)
+    assert changed_by(project_copy, "stages/trainer.py") == {"sft", "reward_model", "dpo", "kto"}
 
 
 def test_the_code_version_setting_overrides_the_closure(monkeypatch):
     from pipeline.identity import stage_code_version
 
-    assert stage_code_version(get_settings(), "rl") == code_version("stages.rl")
+    assert stage_code_version(get_settings(), "rl") == code_version("stages.rl") == code_version("stages.rl.__main__")
     monkeypatch.setenv("RLHF_CODE_VERSION", "release-1.2")
     assert stage_code_version(get_settings(), "rl") == "release-1.2"
 
@@ -130,6 +150,18 @@ def test_the_closure_follows_imports_in_functions_and_skips_other_modules_main_b
         (package / f"{name}.py").write_text("")
     assert sorted(module_closure("pkg.entry", tmp_path)) == ["pkg", "pkg.entry", "pkg.helper", "pkg.lazy",
                                                             "pkg.script_only"]
+
+
+def test_installed_beside_other_packages_the_closure_stays_in_the_project(tmp_path):
+    """From a wheel the project's packages sit in site-packages beside their dependencies: an import of a
+    dependency is not project code (it would hash all of torch)."""
+    for package in ("stages", "stages/toy", "torch"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "stages" / "toy" / "__main__.py").write_text("import torch\nfrom stages import helper\n")
+    (tmp_path / "stages" / "helper.py").write_text("from torch import nn\n")
+    assert sorted(module_closure("stages.toy", tmp_path)) == ["stages", "stages.helper", "stages.toy",
+                                                              "stages.toy.__main__"]
 
 
 # ---------------------------------------------------------------------------------------------- layers

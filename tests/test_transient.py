@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import s3fs
-
 from conftest import MOTO_BUCKET
 from faulty_http import HUB_REVISION, FaultyEndpoint, hub_answer
+
 from infra.artifacts import is_transient, open_store
 from stages.errors import exit_code
 
@@ -83,8 +83,8 @@ def read_store(objects, tmp_path):
 
 
 def download_model(objects, tmp_path):
-    from stages.config import SFTConfig
     from stages.model_io import check_model_inputs
+    from stages.sft.config import SFTConfig
 
     check_model_inputs("sft", SFTConfig(pretrain=objects["model"]))
     return "checked"

@@ -11,7 +11,7 @@ import math
 import operator
 import re
 
-from stages.agents import AgentInstanceBase, MultiTurnAgentExecutor
+from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor
 
 CALL = re.compile(r"<calculator>(.*?)</calculator>", re.DOTALL)
 ANSWER = re.compile(r"(?:Answer:\s*|\\boxed\{)\s*(-?[\d.,]+)")

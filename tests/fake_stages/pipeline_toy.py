@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from stages.config import STAGE_CONFIGS
 from stages.fields import path_fields
+from stages.registry import STAGES
 
 LEARNING_RATE_FIELDS = ("learning_rate", "actor_learning_rate")
 
@@ -37,7 +37,7 @@ def main(stage: str) -> None:
     cfg = yaml.safe_load(Path(args.config).read_text())
     out = Path(args.save_path)
     out.mkdir(parents=True, exist_ok=True)
-    inputs = {field: cfg[field] for field in sorted(path_fields(STAGE_CONFIGS[stage])) if cfg.get(field)}
+    inputs = {field: cfg[field] for field in sorted(path_fields(STAGES[stage])) if cfg.get(field)}
     print(f"toy {stage}: {json.dumps(inputs, sort_keys=True)}", flush=True)
     if stage == "evaluate":
         metrics = {"accuracy": quality_of(cfg["pretrain"]) / 10, "kl_mean": 0.1, "prompts": 16}

@@ -18,8 +18,17 @@ from stages import lora, moe, ring_attention
 from stages import packing as packing_lib
 from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
 from stages.errors import StageInputError
-from stages.placement import (ENGINES, bundle_resources, describe, engine_bundles, group_bundles, models_take_turns,
-                              placement_plan, rank_processes)
+from stages.placement import (
+    ENGINES,
+    bundle_resources,
+    describe,
+    engine_bundles,
+    group_bundles,
+    models_take_turns,
+    placement_plan,
+    rank_processes,
+)
+from stages.rl import algorithms as rl_algo
 from stages.sequences import balanced_partitions, first_fit_count, select_rows
 
 
@@ -124,7 +133,7 @@ class PolicyWorker(TrainedRole):
     tag = "actor"
     aux_key = "aux_loss"
     _sharing: Iterator | None = None  # the walk of the weights a shared sync is in (share_bucket)
-    _held = None  # the bucket the engines are opening (stages.weight_sync.HeldBucket)
+    _held = None  # the bucket the engines are opening (stages.rl.weight_sync.HeldBucket)
 
     def learning_rate(self) -> float:
         return self.cfg.actor_learning_rate
@@ -158,7 +167,7 @@ class PolicyWorker(TrainedRole):
         for name, weight in lora.merged_named_weights(self.engine, device="cpu" if self.rank == 0 else "meta"):
             if self.rank == 0:
                 if name in self.ema:
-                    algo.ema_update(self.ema[name], weight, beta)
+                    rl_algo.ema_update(self.ema[name], weight, beta)
                 else:
                     self.ema[name] = weight.detach().float().clone()  # never the live weight itself
 
@@ -211,15 +220,15 @@ class PolicyWorker(TrainedRole):
             if cfg.policy_loss_type == "gspo":
                 # GSPO's sequence ratio is taken to the policy that sampled when the correction is on (OpenRLHF).
                 base = old_logp if rollout_logp is None else rollout_logp
-                loss_t, clipped = algo.gspo_policy_loss(logp, base, micro["advantages"], mask, eps_low, eps_high,
+                loss_t, clipped = rl_algo.gspo_policy_loss(logp, base, micro["advantages"], mask, eps_low, eps_high,
                                                         cfg.dual_clip)
-                policy_loss = algo.aggregate_sequence_loss(loss_t, mask, step_sequences)
+                policy_loss = rl_algo.aggregate_sequence_loss(loss_t, mask, step_sequences)
             else:
-                loss_t, clipped = algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high,
+                loss_t, clipped = rl_algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high,
                                                    cfg.dual_clip)
                 if rollout_logp is not None:
                     low, high = cfg.vllm_is_truncated_threshold
-                    weights, affected = algo.rollout_correction(old_logp, rollout_logp, mask,
+                    weights, affected = rl_algo.rollout_correction(old_logp, rollout_logp, mask,
                                                                 cfg.vllm_is_correction_type, low, high)
                     loss_t = loss_t * weights
                     with torch.no_grad():
@@ -229,13 +238,13 @@ class PolicyWorker(TrainedRole):
                 policy_loss = algo.aggregate_token_loss(loss_t, mask, step_tokens)
             loss = policy_loss
             if cfg.use_kl_loss:
-                kl_loss = algo.aggregate_token_loss(algo.compute_kl(logp, micro["ref_logp"], cfg.kl_estimator),
+                kl_loss = algo.aggregate_token_loss(rl_algo.compute_kl(logp, micro["ref_logp"], cfg.kl_estimator),
                                                     mask, step_tokens)
                 loss = loss + kl_coef * kl_loss
                 totals["kl_loss"] = totals.get("kl_loss", 0.0) + kl_loss.item()
             if "old_logp" not in micro and cfg.uses_reference:
-                kl = algo.compute_kl(logp.detach(), micro["ref_logp"], cfg.kl_estimator)
-                totals["kl_sum"] = totals.get("kl_sum", 0.0) + float(algo.sequence_kl(kl, mask).sum())
+                kl = rl_algo.compute_kl(logp.detach(), micro["ref_logp"], cfg.kl_estimator)
+                totals["kl_sum"] = totals.get("kl_sum", 0.0) + float(rl_algo.sequence_kl(kl, mask).sum())
             if cfg.entropy_loss_coef is not None:
                 entropy = algo.aggregate_token_loss(entropy_t, mask, step_tokens)
                 loss = loss - cfg.entropy_loss_coef * entropy
@@ -253,7 +262,7 @@ class PolicyWorker(TrainedRole):
                 self._update_ema(cfg.ema_beta)
         return totals
 
-    # ---- weight sync to the rollout engines (stages/weight_sync.py)
+    # ---- weight sync to the rollout engines (stages/rl/weight_sync.py)
     def _sync_weights(self, device) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full weight) as the engines load them: LoRA merged, ZeRO-3 gathered one module at a time
         (every rank iterates), tied copies left out."""
@@ -262,7 +271,7 @@ class PolicyWorker(TrainedRole):
                 yield name, weight
 
     def sync_plan(self, bucket_bytes: int) -> list:
-        from stages.weight_sync import plan_buckets
+        from stages.rl.weight_sync import plan_buckets
 
         return plan_buckets(((name, tuple(w.shape), w.dtype) for name, w in self._sync_weights("meta")),
                             bucket_bytes)
@@ -274,7 +283,7 @@ class PolicyWorker(TrainedRole):
 
     def open_weight_sync(self, master_addr: str, master_port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: become rank 0 of the weight-sync group."""
-        from stages.weight_sync import open_group
+        from stages.rl.weight_sync import open_group
 
         self._sync_group = open_group(master_addr, master_port, 0, world_size, backend, local_addr=node_address(),
                                       store=self._sync_store,
@@ -286,7 +295,7 @@ class PolicyWorker(TrainedRole):
         """Shared sync (engines on this rank's device): bucket `index` of the walk of the weights (the first
         starts a walk; every rank walks, for ZeRO-3's gathers) laid out on this rank's device, as a handle the
         engines there open. The previous bucket is released."""
-        from stages.weight_sync import share_bucket
+        from stages.rl.weight_sync import share_bucket
 
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
         if index == 0:
@@ -313,7 +322,7 @@ class PolicyWorker(TrainedRole):
     @torch.no_grad()
     def broadcast_weights(self, buckets: list) -> None:
         """Every rank walks the weights (joining the ZeRO-3 gathers); rank 0 broadcasts them bucket by bucket."""
-        from stages.weight_sync import send_bucket
+        from stages.rl.weight_sync import send_bucket
 
         device = self._sync_group.device if self.rank == 0 else "meta"
         weights = self._sync_weights(device)
@@ -397,7 +406,7 @@ class CriticWorker(TrainedRole):
             with self.router_losses() as aux_losses:
                 values = value_forward(self.engine, micro, cfg.packing_samples, self.ring)
             critic_loss = algo.aggregate_token_loss(
-                algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
+                rl_algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
             loss = self.with_aux_loss(critic_loss, aux_losses, rows, len(micro_batches), totals)
             accumulate(self.engine, cfg, last=index == len(micro_batches) - 1)
             self.engine.backward(loss * scale)
@@ -599,18 +608,18 @@ class Roles:
     """The Ray actor groups and rollout engines of one RL run, placed as the colocation flags say."""
 
     def __init__(self, cfg, device: str, config_cls: type):
-        from stages.rollout import create_rollout_engines
+        from stages.rl.rollout import create_rollout_engines
 
         self.cfg = cfg
         ranks = cfg.role_ranks()
         plan = placement_plan(cfg)
-        bundles = group_bundles("rl", cfg)
+        bundles = group_bundles(cfg)
         total = sum(bundles.values())
         if device == "cuda" and total > ray.cluster_resources().get("GPU", 0):
             raise StageInputError(f"this placement needs {total} GPUs ({describe(plan, bundles)}) but the Ray "
                                   f"cluster has {ray.cluster_resources().get('GPU', 0):g}: lower the "
                                   "*_num_gpus_per_node flags or colocate")
-        bundle = bundle_resources("rl", device, total, ray.cluster_resources().get("CPU", 1))
+        bundle = bundle_resources(cfg, device, total, ray.cluster_resources().get("CPU", 1))
         # With --async_train the engines generate while a model computes: on CPU the two sides share the cores
         # (with threads for all of them each, they spin against each other and both slow down).
         actor_per_node = -(-ranks["actor"] // cfg.actor_num_nodes)
@@ -680,10 +689,10 @@ class Roles:
         worker in the weight-sync group over `backend`; returns the bytes of one sync.
 
         Engines on the actor's GPUs (--colocate_all_models) open the actor ranks' own copies instead: CUDA IPC
-        handles on GPUs, shared memory on CPU (stages/weight_sync.py), whatever --vllm_sync_backend says (NCCL cannot
+        handles on GPUs, shared memory on CPU (stages/rl/weight_sync.py), whatever --vllm_sync_backend says (NCCL cannot
         join two ranks on one GPU anyway).
         """
-        from stages.weight_sync import bucket_bytes_total
+        from stages.rl.weight_sync import bucket_bytes_total
 
         self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
         self.shared_sync = self.cfg.colocate_all_models

@@ -20,28 +20,13 @@ import torch.distributed as dist
 
 from stages import algorithms as algo
 from stages import data
-from stages.dpo import response_sums
-from stages.launch import run_rank_group, stage_main
+from stages.launch import run_rank_group
 from stages.trainer import ReferenceStepTrainer
-
-
-def is_paired(cfg, rows) -> bool:
-    """Preference pairs (to split) rather than unpaired rows: the dataset has both pair columns."""
-    return cfg.chosen_key in rows.column_names and cfg.rejected_key in rows.column_names
-
-
-def validate_rows(cfg, rows, source: str) -> None:
-    if is_paired(cfg, rows):
-        data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
-                                 apply_chat_template=cfg.apply_chat_template)
-    else:
-        data.validate_kto(rows, source, cfg.input_key, cfg.output_key, cfg.label_key,
-                          apply_chat_template=cfg.apply_chat_template)
 
 
 def build_examples(cfg, tokenizer, rows) -> list[dict]:
     keys = {"input_key": cfg.input_key, "output_key": cfg.output_key, "label_key": cfg.label_key}
-    if is_paired(cfg, rows):
+    if cfg.is_paired(rows):
         rows = data.unpair_preferences(rows, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key,
                                        rejected_key=cfg.rejected_key)
         keys = {"input_key": "prompt", "output_key": "completion", "label_key": "label"}
@@ -86,10 +71,10 @@ class KTOWorker(ReferenceStepTrainer):
     def micro_terms(self, examples: list[dict], average_kl_over_ranks: bool) -> dict[str, torch.Tensor]:
         sequences, masks, kl_sequences, kl_masks = kto_sequences(examples, self.cfg.max_len)
         n = len(examples)
-        policy = response_sums(self.log_probs(self.engine, sequences), masks)
+        policy = algo.response_sums(self.log_probs(self.engine, sequences), masks)
         with torch.no_grad():
-            policy_kl = response_sums(self.log_probs(self.engine, kl_sequences), kl_masks)
-            reference = response_sums(self.log_probs(self.reference, sequences + kl_sequences), masks + kl_masks)
+            policy_kl = algo.response_sums(self.log_probs(self.engine, kl_sequences), kl_masks)
+            reference = algo.response_sums(self.log_probs(self.reference, sequences + kl_sequences), masks + kl_masks)
         kl_estimate = algo.kto_kl_estimate(policy_kl, reference[n:])
         if average_kl_over_ranks:
             dist.all_reduce(kl_estimate)
@@ -137,16 +122,10 @@ class KTOWorker(ReferenceStepTrainer):
 
 def run(cfg) -> dict:
     def validate(rows, source: str) -> None:
-        validate_rows(cfg, rows, source)
+        cfg.validate_rows(rows, source)
         layout = ("preference pairs (--prompt_key, --chosen_key, --rejected_key), each split into a desirable and "
-                  "an undesirable sample" if is_paired(cfg, rows) else
+                  "an undesirable sample" if cfg.is_paired(rows) else
                   "unpaired samples (--input_key, --output_key, --label_key)")
         print(f"[kto] {source}: {layout}", flush=True)
 
     return run_rank_group("kto", KTOWorker, cfg, validate)
-
-
-if __name__ == "__main__":
-    from stages import kto
-
-    stage_main("kto", kto.run)

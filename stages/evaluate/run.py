@@ -35,15 +35,14 @@ import torch
 from ray.util.placement_group import placement_group
 
 from stages import data
-from stages.agents import agent_rollouts, load_agent_executor
-from stages.data import validate_prompt_rows as validate_rows
 from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
-from stages.launch import note_limits, stage_main
+from stages.launch import note_limits
 from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
-from stages.roles import RewardModelWorker
-from stages.rollout import Rollout, create_rollout_engines, generate_across
+from stages.rl.agents import agent_rollouts, load_agent_executor
+from stages.rl.roles import RewardModelWorker
+from stages.rl.rollout import Rollout, create_rollout_engines, generate_across
 from stages.sequences import build_sequences
 from stages.tracking import StepLog
 
@@ -181,11 +180,11 @@ class Evaluation:
 
 
 def run(cfg) -> dict[str, Any]:
-    from stages.config import EvaluateConfig
+    from stages.evaluate.config import EvaluateConfig
     from stages.model_io import load_tokenizer, resolve_model_path
 
     rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
-                             validate=lambda part_rows, part: validate_rows(cfg, part_rows, part))
+                             validate=cfg.validate_rows)
     models = {"policy": cfg.pretrain, "reference": cfg.ref_pretrain, "production": cfg.production_pretrain}
     models = {name: resolve_model_path(path) for name, path in models.items() if path}
     tokenizer = load_tokenizer(models["policy"])
@@ -195,8 +194,8 @@ def run(cfg) -> dict[str, Any]:
     init_ray()
     device = cluster_device(cfg.device)
     note_limits("evaluate", cfg, device)
-    bundles = group_bundles("evaluate", cfg)
-    bundle = bundle_resources("evaluate", device, sum(bundles.values()), ray.cluster_resources().get("CPU", 1))
+    bundles = group_bundles(cfg)
+    bundle = bundle_resources(cfg, device, sum(bundles.values()), ray.cluster_resources().get("CPU", 1))
     reward_group = None
     if cfg.reward_pretrain:
         group = placement_group([dict(bundle) for _ in range(bundles["reward"])], strategy="PACK")
@@ -231,9 +230,3 @@ def run(cfg) -> dict[str, Any]:
     log.close()
     ray.shutdown()
     return {"metrics": metrics}
-
-
-if __name__ == "__main__":
-    from stages import evaluate
-
-    stage_main("evaluate", evaluate.run)

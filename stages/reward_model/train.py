@@ -20,16 +20,10 @@ import torch
 from stages import algorithms as algo
 from stages import data, packing
 from stages.engine import load_for_zero
-from stages.launch import run_rank_group, stage_main
+from stages.launch import run_rank_group
+from stages.reward_model.config import MARGIN_COLUMN
+from stages.sequences import pair_sequences
 from stages.trainer import StepTrainer
-
-MARGIN_COLUMN = "margin"  # OpenRLHF's column name for --margin_loss
-
-
-def validate_rows(cfg, rows, source: str) -> None:
-    data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
-                             margin_key=MARGIN_COLUMN if cfg.margin_loss else None,
-                             apply_chat_template=cfg.apply_chat_template)
 
 
 def build_examples(cfg, tokenizer, rows) -> list[dict]:
@@ -38,11 +32,6 @@ def build_examples(cfg, tokenizer, rows) -> list[dict]:
         apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
         margin_key=MARGIN_COLUMN if cfg.margin_loss else None,
     )
-
-
-def pair_sequences(examples: list[dict]) -> list[list[int]]:
-    """Chosen sequences, then rejected ones: one forward scores both sides of every pair."""
-    return [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
 
 
 def pair_rewards(model, examples: list[dict], *, pad_token_id: int, packing_samples: bool, ring=None
@@ -124,10 +113,4 @@ class RewardModelWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    return run_rank_group("reward_model", RewardModelWorker, cfg, lambda rows, source: validate_rows(cfg, rows, source))
-
-
-if __name__ == "__main__":
-    from stages import reward_model
-
-    stage_main("reward_model", reward_model.run)
+    return run_rank_group("reward_model", RewardModelWorker, cfg, cfg.validate_rows)

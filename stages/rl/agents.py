@@ -2,7 +2,7 @@
 
 The file defines `AgentExecutor`. Most build it from an `AgentInstance` class, one instance per episode:
 
-    from stages.agents import AgentInstanceBase, MultiTurnAgentExecutor   # OpenRLHF: openrlhf.utils.agent
+    from stages.rl.agents import AgentInstanceBase, MultiTurnAgentExecutor   # OpenRLHF: openrlhf.utils.agent
 
     class AgentInstance(AgentInstanceBase):
         async def reset(self, states):   # {"observation": prompt, "label": label} -> {"observation": text}
@@ -46,7 +46,7 @@ from stages.errors import StageInputError
 
 if TYPE_CHECKING:
     from stages.rewards import RewardBatch
-    from stages.rollout import Rollout
+    from stages.rl.rollout import Rollout
 
 # Which episode a coroutine belongs to: the engine client batches requests in episode order.
 _EPISODE: contextvars.ContextVar[int] = contextvars.ContextVar("episode")
@@ -458,7 +458,7 @@ def agent_rollouts(executor: AgentExecutorBase, engines: list, tokenizer, prompt
     import torch
 
     from stages.rewards import RewardBatch
-    from stages.rollout import Rollout, extend_across
+    from stages.rl.rollout import Rollout, extend_across
 
     texts = [p["prompt"] for p in prompts for _ in range(n)]
     labels = [p["label"] for p in prompts for _ in range(n)]

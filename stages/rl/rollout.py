@@ -208,7 +208,7 @@ class VLLMEngine(PromptGeneration):
             enforce_eager=enforce_eager or not use_gpu,
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs",  # of the sampling distribution, as the module docstring says
-            worker_extension_cls="stages.weight_sync.VLLMWeightReceiver",
+            worker_extension_cls="stages.rl.weight_sync.VLLMWeightReceiver",
             **({} if use_gpu else whole_prompt_prefill(max_model_len)),
         )
 
@@ -261,7 +261,7 @@ class VLLMEngine(PromptGeneration):
         self._forget_cached_prompts()
 
     def receive_shared(self, bucket: list, shared: list) -> None:
-        """Load one bucket in place from the handles the actor ranks share (stages/weight_sync.py)."""
+        """Load one bucket in place from the handles the actor ranks share (stages/rl/weight_sync.py)."""
         self.wake_up(["weights"])
         self.llm.collective_rpc("receive_shared", args=(bucket, shared, self.tied_weights))
         self._forget_cached_prompts()
@@ -379,7 +379,7 @@ class HFEngine(PromptGeneration):
 
     def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
                          backend: str) -> None:
-        from stages.weight_sync import open_group
+        from stages.rl.weight_sync import open_group
 
         self._weight_sync_group = open_group(master_addr, master_port, rank_offset, world_size, backend,
                                              local_addr=ray.util.get_node_ip_address(),
@@ -387,14 +387,14 @@ class HFEngine(PromptGeneration):
 
     @torch.no_grad()
     def receive_weights(self, buckets: list) -> None:
-        from stages.weight_sync import receive_buckets
+        from stages.rl.weight_sync import receive_buckets
 
         self.wake_up()
         self.update_weights(dict(receive_buckets(self._weight_sync_group, buckets)))
 
     @torch.no_grad()
     def receive_shared(self, bucket: list, shared: list) -> None:
-        from stages.weight_sync import open_shared
+        from stages.rl.weight_sync import open_shared
 
         self.wake_up()
         self.update_weights(dict(open_shared(shared, bucket, self.device)))

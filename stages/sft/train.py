@@ -16,14 +16,8 @@ import torch
 from stages import algorithms as algo
 from stages import data
 from stages.engine import load_for_zero
-from stages.launch import run_rank_group, stage_main
+from stages.launch import run_rank_group
 from stages.trainer import StepTrainer
-
-
-def validate_rows(cfg, rows, source: str) -> None:
-    data.validate_sft(rows, source, cfg.input_key, cfg.output_key, multiturn=cfg.multiturn,
-                      pretrain_mode=cfg.pretrain_mode, system_key=cfg.system_key,
-                      apply_chat_template=cfg.apply_chat_template)
 
 
 def build_examples(cfg, tokenizer, rows) -> list[dict]:
@@ -79,11 +73,4 @@ class SFTWorker(StepTrainer):
 
 
 def run(cfg) -> dict:
-    return run_rank_group("sft", SFTWorker, cfg, lambda rows, source: validate_rows(cfg, rows, source))
-
-
-if __name__ == "__main__":
-    # Ray pickles classes of __main__ by value; importing the module by name lets rank actors import it instead.
-    from stages import sft
-
-    stage_main("sft", sft.run)
+    return run_rank_group("sft", SFTWorker, cfg, cfg.validate_rows)

@@ -15,14 +15,9 @@ import torch
 
 from stages import algorithms as algo
 from stages import data
-from stages.launch import run_rank_group, stage_main
-from stages.reward_model import pair_sequences
+from stages.launch import run_rank_group
+from stages.sequences import pair_sequences
 from stages.trainer import ReferenceStepTrainer
-
-
-def validate_rows(cfg, rows, source: str) -> None:
-    data.validate_preference(rows, source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key,
-                             apply_chat_template=cfg.apply_chat_template)
 
 
 def build_examples(cfg, tokenizer, rows) -> list[dict]:
@@ -30,19 +25,6 @@ def build_examples(cfg, tokenizer, rows) -> list[dict]:
         rows, tokenizer, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
         apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
     )
-
-
-def response_sums(token_log_probs: list[torch.Tensor], masks: list[list[int]]) -> torch.Tensor:
-    """[B] sum of each sequence's response-token log-probs; masks are aligned with the inputs (token 0 has no
-    log-prob, so they are shifted by one)."""
-    return torch.stack([algo.masked_sum(logp, torch.tensor(mask[1:], device=logp.device))
-                        for logp, mask in zip(token_log_probs, masks)])
-
-
-def response_means(token_log_probs: list[torch.Tensor], masks: list[list[int]]) -> torch.Tensor:
-    """[B] mean response-token log-prob of each sequence."""
-    return torch.stack([algo.masked_mean(logp, torch.tensor(mask[1:], device=logp.device))
-                        for logp, mask in zip(token_log_probs, masks)])
 
 
 def pair_masks(examples: list[dict]) -> list[list[int]]:
@@ -54,12 +36,12 @@ def dpo_terms(policy_log_probs: list[torch.Tensor], ref_log_probs: list[torch.Te
     """Mean DPO/IPO loss of the pairs, the mean chosen NLL (per sequence token mean, as OpenRLHF) and the implicit
     rewards, from the token log-probs of the chosen then rejected sequences (pair_sequences order)."""
     masks, n = pair_masks(examples), len(examples)
-    policy, reference = response_sums(policy_log_probs, masks), response_sums(ref_log_probs, masks)
+    policy, reference = algo.response_sums(policy_log_probs, masks), algo.response_sums(ref_log_probs, masks)
     loss, chosen_reward, rejected_reward = algo.preference_loss(
         policy[:n], policy[n:], reference[:n], reference[n:], cfg.beta, label_smoothing=cfg.label_smoothing,
         ipo=cfg.ipo,
     )
-    chosen_nll = -response_means(policy_log_probs[:n], masks[:n]).mean()
+    chosen_nll = -algo.response_means(policy_log_probs[:n], masks[:n]).mean()
     return {"loss": loss, "nll": chosen_nll, "chosen_reward": chosen_reward, "rejected_reward": rejected_reward}
 
 
@@ -103,10 +85,4 @@ class DPOWorker(ReferenceStepTrainer):
 
 
 def run(cfg) -> dict:
-    return run_rank_group("dpo", DPOWorker, cfg, lambda rows, source: validate_rows(cfg, rows, source))
-
-
-if __name__ == "__main__":
-    from stages import dpo
-
-    stage_main("dpo", dpo.run)
+    return run_rank_group("dpo", DPOWorker, cfg, cfg.validate_rows)

@@ -10,7 +10,7 @@ One step, as the driver runs it:
   4. advantages and returns (stages/algorithms.py), then `max_epochs` passes of PPO updates of the critic and
      the actor in optimizer steps of `train_batch_size` samples, the KL either in the reward or in the loss;
   5. send the actor's new weights to the engines; evaluate, warn on drift, checkpoint every `save_steps`.
-With --async_train steps 1-2 run on a thread of their own, --async_queue_size steps ahead (stages/rollout_queue.py).
+With --async_train steps 1-2 run on a thread of their own, --async_queue_size steps ahead (stages/rl/rollout_queue.py).
 
     python -m stages.rl --config tiny --pretrain ./sft --remote_rm_url reward.py --prompt_data prompts.jsonl \
         --advantage_estimator group_norm --use_kl_loss --kl_estimator k3 --save_path ./policy
@@ -33,15 +33,23 @@ import torch
 
 from stages import algorithms as algo
 from stages import engine as ds
-from stages.agents import agent_rollouts, load_agent_executor
 from stages.distributed import cluster_device, init_ray
 from stages.errors import StageInputError
-from stages.launch import note_limits, stage_main
+from stages.launch import note_limits
 from stages.rewards import RewardBatch, reward_source_of
-from stages.roles import Roles
-from stages.rollout import (Extension, Rollout, encode_prompt, extend_across, generate_across, response_budgets,
-                            rollouts_of)
-from stages.rollout_queue import RolloutQueue
+from stages.rl import algorithms as rl_algo
+from stages.rl.agents import agent_rollouts, load_agent_executor
+from stages.rl.roles import Roles
+from stages.rl.rollout import (
+    Extension,
+    Rollout,
+    encode_prompt,
+    extend_across,
+    generate_across,
+    response_budgets,
+    rollouts_of,
+)
+from stages.rl.rollout_queue import RolloutQueue
 from stages.sequences import build_sequences, chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
 
@@ -263,10 +271,10 @@ def restored_group(state: dict[str, Any]) -> PromptGroup:
 
 def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     if cfg.overlong_buffer_len:
-        rewards = algo.overlong_penalty(rewards, lengths, cfg.generate_max_len, cfg.overlong_buffer_len,
+        rewards = rl_algo.overlong_penalty(rewards, lengths, cfg.generate_max_len, cfg.overlong_buffer_len,
                                         cfg.overlong_penalty_factor)
     if cfg.stop_properly_penalty_coef is not None:
-        rewards = algo.truncation_penalty(rewards, truncated, cfg.stop_properly_penalty_coef)
+        rewards = rl_algo.truncation_penalty(rewards, truncated, cfg.stop_properly_penalty_coef)
     return rewards  # clipped after the group baseline, in compute_advantages
 
 
@@ -320,10 +328,10 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
             experience["old_logp"] = results["actor_logprobs"]
         experience["ref_logp"] = results.get("ref_logprobs", torch.zeros_like(mask))
         in_reward = cfg.uses_reference and not cfg.use_kl_loss
-        kl = (algo.compute_kl(experience["old_logp"], experience["ref_logp"], cfg.kl_estimator) * mask
+        kl = (rl_algo.compute_kl(experience["old_logp"], experience["ref_logp"], cfg.kl_estimator) * mask
               if in_reward or (cfg.uses_reference and "old_logp" in experience) else torch.zeros_like(mask))
         values = results.get("critic_values")
-        experience["advantages"], experience["returns"] = algo.compute_advantages(
+        experience["advantages"], experience["returns"] = rl_algo.compute_advantages(
             cfg.advantage_estimator, reward, mask, n_samples_per_prompt=cfg.n_samples_per_prompt,
             kl=kl if in_reward else None, beta=kl_ctl.value if in_reward else 0.0, values=values, gamma=cfg.gamma,
             lambd=cfg.lambd, std_norm=not cfg.no_advantage_std_norm, reward_clip_range=cfg.reward_clip_range,
@@ -341,7 +349,7 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
         **{f"reward_{key}": value for key, value in reward_batch.extra_logs.items()},
     }
     if "old_logp" in experience:  # else the training forward measures it
-        stats["kl"] = float(algo.sequence_kl(kl, mask).mean())
+        stats["kl"] = float(rl_algo.sequence_kl(kl, mask).mean())
     return experience, stats
 
 
@@ -457,8 +465,8 @@ def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) ->
 def run(cfg) -> dict[str, Any]:
     import psutil
 
-    from stages.config import RLConfig
     from stages.model_io import resolve_model_path
+    from stages.rl.config import RLConfig
 
     # From the start of this process to here: interpreter, imports, flag parsing.
     parts = {"imports": time.time() - psutil.Process().create_time()}
@@ -503,13 +511,6 @@ def run(cfg) -> dict[str, Any]:
         roles.shutdown()
 
 
-def validate_rows(cfg, rows, source: str) -> None:
-    """The prompt schema check (also the plan's for this stage)."""
-    from stages.data import validate_prompt_rows
-
-    validate_prompt_rows(cfg, rows, source)
-
-
 def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
     """(training prompts, held-out prompts, the reward function or endpoints, the tokenizer), data validated.
 
@@ -519,7 +520,7 @@ def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
 
     reward_source = reward_source_of(cfg)
     def validate(rows, source: str) -> None:
-        validate_rows(cfg, rows, source)
+        cfg.validate_rows(rows, source)
 
     rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
                              probabilities=cfg.prompt_data_probabilities, seed=cfg.seed, validate=validate)
@@ -541,8 +542,8 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
     if start_step and roles.get("critic") is not None:
         roles.get("critic").run("load_checkpoint", start_step)
     history: list[dict] = client_state.get("history", [])
-    kl_ctl = (algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
-              else algo.FixedKLController(cfg.init_kl_coef))
+    kl_ctl = (rl_algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
+              else rl_algo.FixedKLController(cfg.init_kl_coef))
     kl_ctl.value = client_state.get("kl_coef", kl_ctl.value)
     stream = PromptStream(prompts, cfg.seed, cfg.num_episodes, client_state.get("prompt_position", 0))
     queued = client_state.get("rollout_queue", {})
@@ -709,9 +710,3 @@ def final_metrics(cfg, history: list[dict], start_step: int, total_steps: int, s
     if best is not None:
         metrics["best_step"] = best["step"]
     return metrics
-
-
-if __name__ == "__main__":
-    from stages import rl
-
-    stage_main("rl", rl.run)
