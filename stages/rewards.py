@@ -199,13 +199,18 @@ def load_reward_source(spec: str, timeout_s: float = 180.0, auth_env: str | None
     if auth_env:
         raise StageInputError(f"--remote_rm_auth_env {auth_env}: applies to HTTP reward endpoints, and "
                               f"--remote_rm_url {spec} is none")
-    path = Path(spec)
-    if not path.is_file():
-        # Relative paths also resolve against the project root, so presets work from any working directory.
-        path = Path(__file__).resolve().parent.parent / spec
+    path = project_file(spec)
     if not path.is_file() or path.suffix != ".py":
         raise StageInputError(f"--remote_rm_url {redact_patterns(spec)}: not http(s) URLs nor a Python file")
     return RewardFunction(path)
+
+
+def project_file(spec: str) -> Path:
+    """A reward or agent file named by a flag: the path itself, or else the same relative path under the folder
+    that holds the project's packages (the checkout, or site-packages when installed), so presets naming
+    configs/... or stages/... work from any working directory."""
+    path = Path(spec)
+    return path if path.is_file() else Path(__file__).resolve().parent.parent / spec
 
 
 def reward_source_of(cfg) -> RewardFunction | RemoteReward | None:

@@ -185,3 +185,15 @@ def test_an_agent_file_without_an_executor_is_refused(tmp_path):
         load_agent_executor(str(agent))
     with pytest.raises(AgentError, match="not a Python file"):
         load_agent_executor(str(tmp_path / "missing.py"))
+
+
+def test_the_presets_agent_and_reward_files_resolve_from_any_working_directory(tmp_path, monkeypatch):
+    """Presets name configs/... and stages/... files relative to the project: they load from another folder too
+    (a Ray job's working directory, or an installed copy's site-packages)."""
+    from stages.rewards import load_reward_source
+
+    monkeypatch.chdir(tmp_path)
+    for path in ("configs/agents/calculator.py", "stages/tiny_agent.py"):
+        assert type(load_agent_executor(path)).__name__ == "AgentExecutor"
+    for path in ("configs/reward_funcs/math_answer.py", "stages/tiny_reward.py"):
+        assert load_reward_source(path, 1.0, None) is not None

@@ -39,10 +39,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.errors import StageInputError
+from stages.rewards import project_file
 
 if TYPE_CHECKING:
     from stages.rewards import RewardBatch
@@ -365,9 +365,7 @@ class EngineClient:
 
 def load_agent_executor(path: str) -> AgentExecutorBase:
     """`AgentExecutor()` of the agent file (relative paths also resolve against the project root)."""
-    file = Path(path)
-    if not file.is_file():
-        file = Path(__file__).resolve().parent.parent / path
+    file = project_file(path)
     if not file.is_file() or file.suffix != ".py":
         raise AgentError(f"--agent_func_path {path}: not a Python file")
     spec = importlib.util.spec_from_file_location(f"agent_module_{file.stem}", file)
