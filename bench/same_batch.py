@@ -6,7 +6,7 @@ The accuracy rows of `python -m bench` compare two trainers through their sampli
 updates with the noise taken out. One batch is sampled from DIR (32 prompts x 4 answers of at most 8 tokens, the
 bench's shape) and scored with the tiny task's rule reward; then on that batch:
 - advantages: ours (stages.algorithms, group_norm) against TRL's group formula, (r - mean) / (std + 1e-4);
-- loss and gradient: ours (the actor's forward and token losses of stages.rl.roles) against TRL's own `_compute_loss`
+- loss and gradient: ours (the actor's forward and token losses of stages.rl.actor) against TRL's own `_compute_loss`
   (loss_type dapo, KL 0.01 k3 to a reference moved off the policy so that the KL term counts);
 - one optimizer step from the same loss: our DeepSpeed engine (ZeRO-2, AdamW, clipping 1.0) against torch AdamW
   with `clip_grad_norm_`, what the HF Trainer under TRL runs.
@@ -26,7 +26,7 @@ import torch
 from infra.ray_cluster import free_port
 from stages import algorithms as algo
 from stages.rl import algorithms as rl_algo
-from stages.rl.roles import policy_forward
+from stages.rl.actor import policy_forward
 from stages.sequences import build_sequences
 from stages.tiny import reward_func
 

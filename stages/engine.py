@@ -6,6 +6,7 @@ Kept apart from the math (stages/algorithms.py) and from Ray (stages/distributed
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -57,7 +58,7 @@ def deepspeed_config(cfg, *, world_size: int, train_batch_size: int, micro_batch
     data_parallel = world_size // ring
     if train and getattr(cfg, "use_dynamic_batch", False):
         # Micro-batches by token budget, a varying number per optimizer step: no fixed accumulation count, the
-        # trainer marks each step's last micro-batch (stages/rl/roles.py, accumulate).
+        # trainer marks each step's last micro-batch (stages/rl/actor.py, accumulate).
         micro_batch_size, train_batch_size = 1, data_parallel
     zero: dict[str, Any] = {"stage": stage}
     if train and getattr(cfg, "adam_offload", False):
@@ -97,6 +98,17 @@ def load_for_zero(load_fn, ds_config: dict):
     finally:
         # A live HfDeepSpeedConfig makes later single-rank loads hang: drop it right away.
         del hf_ds_config
+
+
+def trained_model(model: torch.nn.Module, cfg, *, init: str, value_model: bool, aux_loss_coef: float
+                  ) -> torch.nn.Module:
+    """A loaded model made trainable the same way in every training stage and RL role: its routers checked against
+    --aux_loss_coef (a model without a load-balancing loss is refused, naming `init`), then LoRA adapters with
+    --lora_rank (`value_model`: the value head trains whole)."""
+    from stages import lora, moe
+
+    moe.check_router(model, aux_loss_coef, init)
+    return lora.wrap(model, cfg, value_model=value_model)
 
 
 def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning_rate: float, total_steps: int):
@@ -158,6 +170,27 @@ def global_loss_scale(engine, ring_size: int = 1) -> float:
 
 LATEST_MARKER = "latest_step.json"
 FINGERPRINT_FILE = "fingerprint.json"
+
+
+class NonFiniteLossError(StageInputError):
+    """Training diverged: a step's loss or gradient norm is nan or inf. A retry diverges again (exit code 2)."""
+
+
+def stop_if_diverged(record: dict[str, Any], step: int, keys: tuple[str, ...], ckpt_path: str | None) -> None:
+    """Raise NonFiniteLossError when one of `keys` in a step's `record` (losses, KL, gradient norms) is nan or inf.
+
+    Every rank of a stage sees the same values (summed or reduced over all of them) and stops at the same step.
+    A gradient norm counts too: ZeRO-1/2/3 skip such steps silently and report a finite loss while the model
+    stops learning. Nothing of the step is saved, so the newest checkpoint is the last good one."""
+    bad = {key: record[key] for key in keys if record.get(key) is not None and not math.isfinite(record[key])}
+    if not bad:
+        return
+    last = latest_checkpoint_step(ckpt_path) if ckpt_path else 0
+    kept = (f"the newest checkpoint, step {last}, is kept in {ckpt_path}" if last else "no checkpoint was saved")
+    raise NonFiniteLossError(
+        f"step {step}: {', '.join(f'{key}={value}' for key, value in bad.items())} is not finite: training diverged "
+        f"(lower the learning rate, or check the data or rewards of that step); nothing of step {step} was saved, "
+        f"{kept}")
 
 
 def step_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:

@@ -1,8 +1,8 @@
 """OpenRLHF's --aux_loss_coef: the load-balancing loss of mixture-of-experts routers, added to the training loss.
 
 A MoE model (its config has `output_router_logits`: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) returns every
-layer's router logits from its base model when asked. The forwards of stages/packing.py and stages/rl/roles.py return
-tensors, not HF outputs, so `router_aux_losses(model)` asks for the logits and catches them with hooks on the base
+layer's router logits from its base model when asked. The forwards of stages/packing.py and of the RL roles
+(stages/rl/actor.py, stages/rl/critic.py) return tensors, not HF outputs, so `router_aux_losses(model)` asks for the logits and catches them with hooks on the base
 model, and computes each forward's loss with the architecture's own `load_balancing_loss_func`, as its CausalLM
 computes `output.aux_loss`: with the forward's attention mask (padded forwards; packed ones have no padding and no
 mask). Value models (reward model, critic), whose outputs carry no aux loss, get theirs the same way.

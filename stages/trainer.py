@@ -6,8 +6,9 @@ seeded permutation, rank r takes every world_size-th example of it. Because the 
 Losses are normalised by a per-step global count (tokens or pairs) so gradient accumulation and the number of
 ranks do not change the gradient.
 
-A non-finite loss stops the stage (exit 2, naming the step and the loss) before anything of that step is written:
-the last checkpoint stays the newest, and no output appears.
+A non-finite loss or gradient norm stops the stage (exit 2, naming the step and the value) before anything of that
+step is written (stages/engine.py stop_if_diverged, as in RL): the last checkpoint stays the newest, and no output
+appears.
 """
 
 from __future__ import annotations
@@ -23,15 +24,11 @@ import torch
 import torch.distributed as dist
 
 from stages import engine as ds
-from stages import lora, moe, packing
+from stages import moe, packing
 from stages.distributed import RankWorker
 from stages.errors import StageInputError
 from stages.sequences import chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
-
-
-class NonFiniteLossError(StageInputError):
-    """Training diverged: a step's loss is nan or inf. Retrying the same run diverges again (exit code 2)."""
 
 
 class StepTrainer(RankWorker):
@@ -87,9 +84,8 @@ class StepTrainer(RankWorker):
             self.cfg, world_size=self.world_size, train_batch_size=self.cfg.train_batch_size,
             micro_batch_size=self.cfg.micro_train_batch_size,
         )
-        model = self.load_train_model(ds_config)
-        moe.check_router(model, self.aux_loss_coef, self.cfg.pretrain)
-        model = lora.wrap(model, self.cfg, value_model=self.value_model)
+        model = ds.trained_model(self.load_train_model(ds_config), self.cfg, init=self.cfg.pretrain,
+                                 value_model=self.value_model, aux_loss_coef=self.aux_loss_coef)
         self.engine = ds.build_train_engine(
             model, self.cfg, ds_config, learning_rate=self.cfg.learning_rate, total_steps=self.total_steps
         )
@@ -132,7 +128,7 @@ class StepTrainer(RankWorker):
             grad_norm = self.engine.get_global_grad_norm()  # global: the same on every rank (None with ZeRO-0)
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
-            stop_if_diverged(record)
+            ds.stop_if_diverged(record, step + 1, ("loss", "grad_norm"), cfg.ckpt_path)
             if cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0 and self.eval_examples:
                 with timer.phase("evaluation"):
                     record.update({f"eval_{k}": v for k, v in self.evaluate().items()})
@@ -233,23 +229,6 @@ class ReferenceStepTrainer(StepTrainer):
         reference = ds.load_for_zero(lambda: load_causal_lm(ref_path, **options), ref_config)
         self.reference = ds.build_inference_engine(reference, ref_config, self.device)
         return policy
-
-def stop_if_diverged(record: dict[str, Any]) -> None:
-    """Raise NonFiniteLossError when a step's loss or gradient norm is nan or inf.
-
-    Both are the same on every rank (summed or reduced over all of them), so every rank stops at the same step.
-    A non-finite gradient norm counts too: ZeRO-1/2/3 would skip such steps silently and report a finite loss
-    while the model stops learning.
-    """
-    step, loss = record["step"], record["loss"]
-    advice = (f"training diverged (lower --learning_rate, or check the data of that step); nothing of step {step} "
-              "was saved, the newest checkpoint under --ckpt_path is the last good one")
-    if not math.isfinite(loss):
-        raise NonFiniteLossError(f"loss is {loss} at step {step}: {advice}")
-    grad_norm = record.get("grad_norm")
-    if grad_norm is not None and not math.isfinite(grad_norm):
-        raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {step} (loss {loss:.4f}): {advice}")
-
 
 def tokens_per_second(records: list[dict]) -> float:
     """Tokens read by the trained model (all ranks) per second of forward, backward and optimizer time."""

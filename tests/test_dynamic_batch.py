@@ -16,7 +16,8 @@ from rank_workers import built, ragged_shard
 
 from stages.cli import parse_stage_args
 from stages.registry import STAGES
-from stages.rl.roles import CriticWorker, PolicyWorker, rank_micro_batches, sequence_log_probs
+from stages.rl.actor import PolicyWorker, rank_micro_batches, sequence_log_probs
+from stages.rl.critic import CriticWorker
 from stages.sequences import balanced_partitions, build_sequences, first_fit_count, select_rows
 
 

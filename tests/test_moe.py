@@ -25,7 +25,8 @@ from stages.errors import StageInputError
 from stages.model_io import load_causal_lm, load_tokenizer, load_value_model
 from stages.registry import STAGES as STAGE_CONFIGS
 from stages.reward_model import train as reward_model
-from stages.rl.roles import CriticWorker, PolicyWorker, TokenValueModel
+from stages.rl.actor import PolicyWorker
+from stages.rl.critic import CriticWorker, TokenValueModel
 from stages.sequences import pad_sequences, pair_sequences
 from stages.sft import train as sft
 from stages.tiny import TINY_EXPERTS, TINY_TOP_K, build_tiny_model

@@ -34,7 +34,7 @@ def _ring_rank(rank: int, port: int, model_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from stages import packing, ring_attention
-    from stages.rl.roles import policy_forward
+    from stages.rl.actor import policy_forward
     from stages.sequences import build_sequences
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

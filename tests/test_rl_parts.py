@@ -21,7 +21,7 @@ from stages.placement import models_take_turns, placement_plan, rank_processes
 from stages.registry import STAGES
 from stages.rl.config import RLConfig
 from stages.rl.driver import PromptStream, drift_warnings
-from stages.rl.roles import ending_with_eos, reward_normalization
+from stages.rl.critic import ending_with_eos, reward_normalization
 from stages.rl.rollout_queue import RolloutQueue
 from stages.rl.weight_sync import SharedBucket, bucket_bytes_total, open_shared, plan_buckets, share_bucket
 from stages.tiny import build_tiny_datasets
@@ -60,10 +60,20 @@ class EnginesLog:
         self.lock.release()
 
 
+def rollouts(produce, first: int, last: int, queue_size: int, ready: list | None = None):
+    """What the driver uses: rollouts on demand for synchronous training (queue 0), else the async queue."""
+    from stages.rl.driver import RolloutsOnDemand
+
+    if queue_size == 0:
+        assert not ready
+        return RolloutsOnDemand(produce, first)
+    return RolloutQueue(produce, first=first, last=last, queue_size=queue_size, ready=ready).start()
+
+
 @pytest.mark.parametrize("queue_size", [0, 1, 2])
 def test_the_rollout_of_step_k_comes_from_the_policy_of_step_k_minus_the_queue_size(queue_size):
     engines = EnginesLog()
-    queue = RolloutQueue(engines.produce, first=0, last=6, queue_size=queue_size).start()
+    queue = rollouts(engines.produce, 0, 6, queue_size)
     for step in range(6):
         assert queue.take(step) == f"rollout {step}"
         queue.update_weights(engines.sync if step != 2 else None)  # step 3's actor frozen: no sync, a new version
@@ -74,8 +84,7 @@ def test_the_rollout_of_step_k_comes_from_the_policy_of_step_k_minus_the_queue_s
     assert engines.syncs == 5
     # Resumed from that checkpoint: the kept rollouts first, then production at the checkpoint's version.
     resumed_engines = EnginesLog()
-    resumed = RolloutQueue(resumed_engines.produce, first=4, last=8, queue_size=queue_size,
-                           ready=[f"rollout {s}" for s in range(4, 4 + queue_size)]).start()
+    resumed = rollouts(resumed_engines.produce, 4, 8, queue_size, [f"rollout {s}" for s in range(4, 4 + queue_size)])
     taken = []
     for step in range(4, 8):
         taken.append(resumed.take(step))
@@ -239,15 +248,15 @@ def test_llama3_8b_rl_rehearsal_keeps_the_preset_but_for_stated_swaps(tmp_path):
     RLConfig.model_validate(values)
 
 
-def test_a_non_finite_loss_stops_the_stage_naming_the_step_and_the_checkpoint_kept(tmp_path):
-    from stages.engine import commit_checkpoint
-    from stages.errors import StageInputError
-    from stages.rl.driver import check_finite
+def test_rl_stops_on_what_the_supervised_stages_stop_on_and_its_own_losses(tmp_path):
+    from stages.engine import NonFiniteLossError, commit_checkpoint, stop_if_diverged
+    from stages.rl.driver import DIVERGENCE_KEYS
 
-    check_finite({"policy_loss": 0.1, "kl": 0.0}, step=4, ckpt_path=str(tmp_path))
+    assert {"policy_loss", "critic_loss", "kl", "grad_norm", "critic_grad_norm"} <= set(DIVERGENCE_KEYS)
+    stop_if_diverged({"policy_loss": 0.1, "kl": 0.0, "grad_norm": 3.0}, 5, DIVERGENCE_KEYS, str(tmp_path))
     commit_checkpoint(tmp_path, 5, max_keep=2)
-    with pytest.raises(StageInputError, match=r"step 7: policy_loss=nan is not finite.*step 5, is kept"):
-        check_finite({"policy_loss": float("nan"), "critic_loss": 0.2}, step=6, ckpt_path=str(tmp_path))
+    with pytest.raises(NonFiniteLossError, match=r"step 7: grad_norm=nan is not finite.*step 5, is kept"):
+        stop_if_diverged({"policy_loss": 0.1, "grad_norm": float("nan")}, 7, DIVERGENCE_KEYS, str(tmp_path))
 
 
 def test_a_truncated_response_is_scored_at_an_eos_as_the_reward_model_was_trained():

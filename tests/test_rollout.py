@@ -229,7 +229,7 @@ def test_scored_tokens_equal_the_generated_log_probs(engine, prompts):
 def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(engine, model_dir, prompts):
     """The engines' log-probs are those of the distribution they sampled from (logits / temperature), as the
     trainer's policy forward computes them: the off-policy correction compares the two."""
-    from stages.rl.roles import policy_forward
+    from stages.rl.actor import policy_forward
     from stages.sequences import build_sequences
 
     rollouts = ray.get(engine.generate.remote(prompts, n=2, max_new_tokens=8, temperature=0.6, top_p=1.0, seed=5,

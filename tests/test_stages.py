@@ -365,7 +365,8 @@ def test_diverging_run_stops_with_exit_2_and_keeps_the_last_good_checkpoint(asse
     proc = run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--max_samples", 128,
                      "--max_epochs", 1, "--zero_stage", 0, "--learning_rate", "1e30", "--lr_warmup_ratio", 0,
                      "--save_steps", 1, "--save_path", out, "--ckpt_path", ckpt, expect_rc=2)
-    assert "[sft] error: loss is nan at step 3: training diverged" in proc.stderr
+    assert "[sft] error: step 3: loss=nan is not finite: training diverged" in proc.stderr
+    assert f"the newest checkpoint, step 2, is kept in {ckpt}" in proc.stderr
     assert "Traceback" not in proc.stderr.split("[sft] error:", 1)[1].split("\n", 1)[0]
     assert json.loads((ckpt / "latest_step.json").read_text()) == {"step": 2}
     assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000001", "step00000002"]

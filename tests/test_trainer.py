@@ -1,4 +1,4 @@
-"""The supervised step loop's pure parts: when a run counts as diverged, throughput."""
+"""The step loop's pure parts: when a run counts as diverged (every training stage and RL), throughput."""
 
 from __future__ import annotations
 
@@ -7,16 +7,23 @@ import math
 import pytest
 
 from stages.errors import StageInputError
-from stages.trainer import NonFiniteLossError, stop_if_diverged, tokens_per_second
+from stages.engine import NonFiniteLossError, commit_checkpoint, stop_if_diverged
+from stages.trainer import tokens_per_second
 
 
-def test_a_non_finite_loss_or_gradient_norm_stops_naming_step_and_value():
-    stop_if_diverged({"step": 3, "loss": 0.5, "grad_norm": 2.0})
-    stop_if_diverged({"step": 3, "loss": 0.5})  # ZeRO-0 reports no gradient norm
-    with pytest.raises(NonFiniteLossError, match=r"^loss is nan at step 3: training diverged"):
-        stop_if_diverged({"step": 3, "loss": math.nan, "grad_norm": 1.0})
-    with pytest.raises(NonFiniteLossError, match=r"^gradient norm is inf at step 7 \(loss 0\.6931\)"):
-        stop_if_diverged({"step": 7, "loss": 0.693147, "grad_norm": math.inf})
+def test_a_non_finite_loss_or_gradient_norm_stops_naming_step_value_and_the_last_checkpoint(tmp_path):
+    keys = ("loss", "grad_norm")
+    stop_if_diverged({"loss": 0.5, "grad_norm": 2.0}, 3, keys, None)
+    stop_if_diverged({"loss": 0.5}, 3, keys, None)  # ZeRO-0 reports no gradient norm
+    stop_if_diverged({"loss": 0.5, "grad_norm": None, "eval_loss": math.nan}, 3, keys, None)  # only the step's keys
+    with pytest.raises(NonFiniteLossError, match=r"^step 3: loss=nan is not finite: training diverged.*no checkpoint"):
+        stop_if_diverged({"loss": math.nan, "grad_norm": 1.0}, 3, keys, str(tmp_path))
+    with pytest.raises(NonFiniteLossError, match=r"^step 7: grad_norm=inf is not finite"):
+        stop_if_diverged({"loss": 0.693147, "grad_norm": math.inf}, 7, keys, None)
+    commit_checkpoint(tmp_path, 5, max_keep=2)
+    with pytest.raises(NonFiniteLossError, match=r"^step 7: policy_loss=nan is not finite.*step 5, is kept"):
+        stop_if_diverged({"policy_loss": math.nan, "critic_loss": 0.2}, 7, ("policy_loss", "critic_loss"),
+                         str(tmp_path))
     assert issubclass(NonFiniteLossError, StageInputError)  # exit code 2: a retry diverges again
 
 

@@ -41,7 +41,7 @@ from stages.launch import note_limits
 from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
 from stages.rl.agents import agent_rollouts, load_agent_executor
-from stages.rl.roles import RewardModelWorker
+from stages.rl.critic import RewardModelWorker
 from stages.rl.rollout import Rollout, create_rollout_engines, generate_across
 from stages.sequences import build_sequences
 from stages.tracking import StepLog

@@ -262,11 +262,6 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
         return self.rollout_max_tokens_per_gpu or self.train_max_tokens_per_gpu
 
     @property
-    def queue_size(self) -> int:
-        """Rollouts generated ahead of training: 0 for synchronous training."""
-        return self.async_queue_size if self.async_train else 0
-
-    @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
 

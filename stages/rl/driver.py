@@ -10,7 +10,8 @@ One step, as the driver runs it:
   4. advantages and returns (stages/algorithms.py), then `max_epochs` passes of PPO updates of the critic and
      the actor in optimizer steps of `train_batch_size` samples, the KL either in the reward or in the loss;
   5. send the actor's new weights to the engines; evaluate, warn on drift, checkpoint every `save_steps`.
-With --async_train steps 1-2 run on a thread of their own, --async_queue_size steps ahead (stages/rl/rollout_queue.py).
+With --async_train steps 1-2 run on a thread of their own, --async_queue_size steps ahead (stages/rl/rollout_queue.py);
+without it each step collects its own rollout first (RolloutsOnDemand).
 
     python -m stages.rl --config tiny --pretrain ./sft --remote_rm_url reward.py --prompt_data prompts.jsonl \
         --advantage_estimator group_norm --use_kl_loss --kl_estimator k3 --save_path ./policy
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -30,16 +30,22 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
-from stages.distributed import cluster_device, init_ray
+from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
 from stages.errors import StageInputError
 from stages.launch import note_limits
+from stages.placement import (
+    ENGINES, bundle_resources, describe, engine_bundles, group_bundles, models_take_turns, placement_plan,
+    rank_processes,
+)
 from stages.rewards import RewardBatch, reward_source_of
 from stages.rl import algorithms as rl_algo
 from stages.rl.agents import agent_rollouts, load_agent_executor
-from stages.rl.roles import Roles
+from stages.rl.actor import PolicyWorker, ReferenceWorker
+from stages.rl.critic import CriticWorker, RewardModelWorker
 from stages.rl.rollout import (
     Extension,
     Rollout,
@@ -59,9 +65,147 @@ SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "traini
 # With --async_train generation and reward overlap training: a step is made of these and its wait for rollouts.
 ASYNC_TRAINER_PHASES = ("rollout_wait", "experience", "advantages", "training", "weight_sync", "evaluation",
                         "checkpoint")
+# What stops a run when not finite (stages/engine.py stop_if_diverged), as the supervised stages' loss and gradient.
+DIVERGENCE_KEYS = ("policy_loss", "critic_loss", "kl_loss", "kl", "entropy", "aux_loss", "critic_aux_loss", "grad_norm",
+                   "critic_grad_norm")
 ACTOR_KEYS = ("input_ids", "attention_mask", "action_mask", "old_logp", "ref_logp", "rollout_logp", "advantages")
 CRITIC_KEYS = ("input_ids", "attention_mask", "action_mask", "old_values", "returns")
 
+
+# ----------------------------------------------------------------------------- the roles of one run
+
+# The rank workers of each role (stages/rl/actor.py, stages/rl/critic.py).
+ROLE_WORKERS = {"actor": PolicyWorker, "critic": CriticWorker, "ref": ReferenceWorker, "reward": RewardModelWorker}
+
+
+class Roles:
+    """The Ray actor groups and rollout engines of one RL run, placed as the colocation flags say."""
+
+    def __init__(self, cfg, device: str, config_cls: type):
+        from stages.rl.rollout import create_rollout_engines
+
+        self.cfg = cfg
+        ranks = cfg.role_ranks()
+        plan = placement_plan(cfg)
+        bundles = group_bundles(cfg)
+        total = sum(bundles.values())
+        if device == "cuda" and total > ray.cluster_resources().get("GPU", 0):
+            raise StageInputError(f"this placement needs {total} GPUs ({describe(plan, bundles)}) but the Ray "
+                                  f"cluster has {ray.cluster_resources().get('GPU', 0):g}: lower the "
+                                  "*_num_gpus_per_node flags or colocate")
+        bundle = bundle_resources(cfg, device, total, ray.cluster_resources().get("CPU", 1))
+        # With --async_train the engines generate while a model computes: on CPU the two sides share the cores
+        # (with threads for all of them each, they spin against each other and both slow down).
+        actor_per_node = -(-ranks["actor"] // cfg.actor_num_nodes)
+        beside_models, beside_engines = ((cfg.vllm_num_engines, actor_per_node) if cfg.async_train else (0, 0))
+        self.placement_groups = []
+        self.groups: dict[str, ActorGroup] = {}
+        engine_options: dict[str, Any] = {}
+        for name, members in plan.items():
+            group = placement_group([dict(bundle) for _ in range(bundles[name])], strategy="PACK")
+            ray.get(group.ready())
+            self.placement_groups.append(group)
+            share = 1.0 / len(members)
+            fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
+            if ENGINES in members:
+                engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles(cfg))),
+                                      **fraction)
+            for hosted in rank_processes(cfg, [role for role in members if role != ENGINES]):
+                role = hosted[0]
+                per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
+                options = dict(placement=Placement(group, **fraction), threads=cpu_threads(per_node + beside_models))
+                if len(hosted) == 1:
+                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role, **options)
+                else:
+                    self.groups.update(ActorGroup.hosted({r: ROLE_WORKERS[r] for r in hosted}, ranks[role], device,
+                                                         **options))
+        for group in self.groups.values():
+            group.ring_size = cfg.ring_attn_size
+        self.engines = create_rollout_engines(
+            cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
+            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
+            seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.total_len,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
+            cpu_threads=cpu_threads(cfg.vllm_num_engines + beside_engines), wait=False, **engine_options,
+        )
+        self.sequential = models_take_turns(cfg, device)
+        self.buckets: list = []
+        self.shared_sync = False  # set by open_weight_sync
+        # Every rank joins its group and loads its model right away; start() waits for them.
+        self._joined = [ref for group in self.groups.values() for ref in group.rendezvous()]
+        cfg_dict = cfg.model_dump()
+        self._loaded = [ref for group in self.groups.values() for ref in group.run_async("setup", cfg_dict, config_cls)]
+
+    def start(self, optimizer_steps: int) -> dict[str, float]:
+        """Wait for every rank to join and load its model (begun in __init__), build the trained models' engines
+        for `optimizer_steps`, wait for the rollout engines; seconds of the waits."""
+        seconds = {}
+        started = time.perf_counter()
+        # Each rank builds its engine as soon as its model is loaded (its calls run in the order they are made).
+        built = [ref for role in ("actor", "critic") if role in self.groups
+                 for ref in self.groups[role].run_async("build", optimizer_steps)]
+        ray.get(self._joined)
+        seconds["processes"] = time.perf_counter() - started
+        ray.get(self._loaded + built + [engine.__ray_ready__.remote() for engine in self.engines])
+        seconds["models_and_engines"] = time.perf_counter() - started - seconds["processes"]
+        return seconds
+
+    @property
+    def actor(self) -> ActorGroup:
+        return self.groups["actor"]
+
+    def get(self, role: str) -> ActorGroup | None:
+        return self.groups.get(role)
+
+    def open_weight_sync(self, backend: str) -> int:
+        """Plan the buckets and, for engines on GPUs (CPU cores) of their own, join actor rank 0 and every engine
+        worker in the weight-sync group over `backend`; returns the bytes of one sync.
+
+        Engines on the actor's GPUs (--colocate_all_models) open the actor ranks' own copies instead: CUDA IPC
+        handles on GPUs, shared memory on CPU (stages/rl/weight_sync.py), whatever --vllm_sync_backend says (NCCL cannot
+        join two ranks on one GPU anyway).
+        """
+        from stages.rl.weight_sync import bucket_bytes_total
+
+        self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
+        self.shared_sync = self.cfg.colocate_all_models
+        if self.shared_sync:
+            print("[rl] weight sync: the engines share the actor's devices (--colocate_all_models) and open its "
+                  "ranks' weights in place (CUDA IPC on GPUs, shared memory on CPU), no transfer", flush=True)
+            return bucket_bytes_total(self.buckets)
+        tp = self.cfg.vllm_tensor_parallel_size
+        world = 1 + len(self.engines) * tp
+        addr, port = ray.get(self.actor.on_rank(0, "weight_sync_endpoint", world))
+        ray.get([self.actor.on_rank(0, "open_weight_sync", addr, port, world, backend)]
+                + [engine.init_weight_sync.remote(addr, port, 1 + i * tp, world, backend)
+                   for i, engine in enumerate(self.engines)])
+        return bucket_bytes_total(self.buckets)
+
+    def sync_weights(self) -> None:
+        """The actor's current weights into every engine, bucket by bucket."""
+        if not self.shared_sync:
+            ray.get(self.actor.run_async("broadcast_weights", self.buckets)
+                    + [engine.receive_weights.remote(self.buckets) for engine in self.engines])
+            return
+        for index, bucket in enumerate(self.buckets):  # each rank keeps one bucket shared until the engines took it
+            shared = ray.get(self.actor.run_async("share_bucket", index, bucket))
+            ray.get([engine.receive_shared.remote(bucket, shared) for engine in self.engines])
+        ray.get(self.actor.run_async("release_shared"))
+
+    def engines_call(self, method: str, *args: Any) -> None:
+        ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine)
+        for group in self.groups.values():
+            group.shutdown()
+        for group in self.placement_groups:
+            remove_placement_group(group)
+
+
+# ----------------------------------------------------------------------------- the step loop
 
 class RewardUnavailableError(RuntimeError):
     """No sample of a rollout got a reward: the endpoints are down. Retryable (the stage resumes later)."""
@@ -251,6 +395,29 @@ class RolloutCollector:
         return batch
 
 
+class RolloutsOnDemand:
+    """Synchronous training: each step's rollout is collected when the step asks for it, by the policy that step
+    trains, and the new weights go to the engines after the step. (With --async_train, RolloutQueue produces them
+    ahead on a thread; this has its interface.)"""
+
+    def __init__(self, produce, first: int):
+        self.produce, self.version = produce, first
+
+    def take(self, step: int) -> RolloutBatch | None:
+        return self.produce(step, self.version)
+
+    def update_weights(self, sync) -> None:
+        if sync is not None:
+            sync()
+        self.version += 1
+
+    def pending(self, after: int) -> list:
+        return []  # nothing is produced ahead
+
+    def close(self) -> None:
+        pass
+
+
 def rollout_state(pending: list[RolloutBatch], newest: RolloutBatch) -> dict[str, Any]:
     """Plain data (tensors, lists, numbers) for a checkpoint: the rollouts produced ahead of training and the
     groups kept for later steps once the `newest` rollout was produced."""
@@ -407,21 +574,6 @@ def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tens
                         totals[key] = totals.get(key, 0.0) + value
 
 
-def check_finite(record: dict[str, Any], step: int, ckpt_path: str) -> None:
-    """Stop (exit 2) at the first step whose losses or KL are not finite: nothing of this step is saved, so the
-    newest checkpoint is the last good one."""
-    bad = {key: record[key] for key in ("policy_loss", "critic_loss", "kl_loss", "kl", "entropy", "aux_loss",
-                                        "critic_aux_loss")
-           if key in record and not math.isfinite(record[key])}
-    if bad:
-        last = ds.latest_checkpoint_step(ckpt_path)
-        raise StageInputError(
-            f"step {step + 1}: {', '.join(f'{k}={v}' for k, v in bad.items())} is not finite; training stopped. "
-            + (f"The last good checkpoint, step {last}, is kept in {ckpt_path}" if last else "No checkpoint was saved")
-            + "; lower the learning rates or check the rewards before resuming."
-        )
-
-
 def drift_warnings(cfg, first: dict[str, Any], record: dict[str, Any]) -> dict[str, str]:
     """What the training guards see in this step's record, compared with the first step's: {guard: message}."""
     warnings = {}
@@ -563,11 +715,13 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
     started = time.time()
     drifting: set[str] = set()
     stopped_early = None
-    # A thread of its own produces the rollouts --async_queue_size steps ahead (none: each when its step asks).
-    rollouts = RolloutQueue(collector.collect, start_step, total_steps, cfg.queue_size,
-                            [restored_batch(b) for b in queued.get("pending", [])], partial=cfg.partial_rollout)
-    collector.queue = rollouts
-    rollouts.start()
+    if cfg.async_train:  # a thread of its own produces the rollouts --async_queue_size steps ahead
+        rollouts = RolloutQueue(collector.collect, start_step, total_steps, cfg.async_queue_size,
+                                [restored_batch(b) for b in queued.get("pending", [])], partial=cfg.partial_rollout)
+        collector.queue = rollouts
+        rollouts.start()
+    else:
+        rollouts = RolloutsOnDemand(collector.collect, start_step)
     for step in range(start_step, total_steps):
         step_started = time.perf_counter()
         batch = rollouts.take(step)
@@ -582,7 +736,7 @@ def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scor
         stats, actor_moved = train_on_experience(cfg, roles, experience, step, kl_ctl.value, gpu, timer)
         record.update(stats)
         record.setdefault("kl", 0.0)  # no reference model: no KL
-        check_finite(record, step, cfg.ckpt_path)
+        ds.stop_if_diverged(record, step + 1, DIVERGENCE_KEYS, cfg.ckpt_path)
         kl_ctl.update(record["kl"], len(batch.rollouts))
 
         def sync_weights() -> None:

@@ -7,7 +7,8 @@ is sampled by version max(k - q, first) exactly:
   - producing step k waits until the engines hold that version;
   - a weight update to version v + 1 waits until step v + q, the last one due from version v, is produced.
 So generation and a weight update never overlap on the engines, no sample mixes two versions, and an async run
-repeats and resumes like a synchronous one (q = 0, where each rollout is produced when its step asks for it).
+repeats and resumes like a synchronous one (stages/rl/driver.py RolloutsOnDemand, where each rollout is produced
+when its step asks for it: q = 0).
 
 With `partial` (--partial_rollout) a weight update does not wait for production: the producer generates in
 segments (`segment`), and an update lands between two of them; the rest of each response comes from the new
@@ -23,7 +24,7 @@ from typing import Any
 
 
 class RolloutQueue:
-    """The rollouts of steps first..last-1, `queue_size` steps ahead of training (0: produced on demand).
+    """The rollouts of steps first..last-1, `queue_size` (at least 1) steps ahead of training.
 
     `produce(step, version)` returns the rollout of `step` sampled by policy `version`, or None when the prompts
     ran out (nothing is produced after it). `ready` holds rollouts already produced, from a checkpoint.
@@ -31,6 +32,7 @@ class RolloutQueue:
 
     def __init__(self, produce: Callable[[int, int], Any], first: int, last: int, queue_size: int,
                  ready: list | None = None, partial: bool = False):
+        assert queue_size >= 1, "synchronous training takes its rollouts on demand (RolloutsOnDemand)"
         self.produce, self.first, self.last, self.queue_size = produce, first, last, queue_size
         self.partial = partial
         self._engines = threading.Lock()  # held by one generation segment or one weight update
@@ -45,9 +47,8 @@ class RolloutQueue:
         self._closed = False
 
     def start(self) -> RolloutQueue:
-        """Begin producing ahead (a no-op without a queue)."""
-        if self.queue_size:
-            threading.Thread(target=self._run, name="rollouts", daemon=True).start()
+        """Begin producing ahead."""
+        threading.Thread(target=self._run, name="rollouts", daemon=True).start()
         return self
 
     def version_for(self, step: int) -> int:
@@ -75,8 +76,6 @@ class RolloutQueue:
 
     def take(self, step: int) -> Any:
         """The rollout of `step` (None: the prompts ran out), waiting for the producer if needed."""
-        if not self.queue_size:
-            return self.produce(step, self.version)
         started = time.perf_counter()
         with self._changed:
             self._changed.wait_for(lambda: step in self.ready or self.error is not None)
@@ -112,8 +111,7 @@ class RolloutQueue:
             return
         with self._changed:
             last_due = min(self.version + self.queue_size, self.last - 1)
-            self._changed.wait_for(lambda: self.next_step > last_due or self.finished or self.error is not None
-                                   or not self.queue_size)
+            self._changed.wait_for(lambda: self.next_step > last_due or self.finished or self.error is not None)
             if self.error is not None:
                 raise self.error
             if sync is not None:

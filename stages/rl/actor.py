@@ -1,78 +1,26 @@
-"""The models of the RL stage as Ray actor groups (actor, critic, reference, reward model) placed as
-stages/placement.py plans, beside the rollout engines."""
+"""The policy's ranks in the RL stage: the actor (trained with the policy loss, its weights sent to the rollout
+engines) and the frozen reference, both computing the policy's token log-probs; and what every trained RL role
+shares (TrainedRole: setup, DeepSpeed engine, checkpoints, sleep; micro-batches of a rank's share)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import Any
 
-import ray
 import torch
 import torch.nn.functional as F
-from ray.util.placement_group import placement_group, remove_placement_group
 
 from stages import algorithms as algo
 from stages import engine as ds
 from stages import lora, moe, ring_attention
 from stages import packing as packing_lib
-from stages.distributed import ActorGroup, Placement, RankWorker, cpu_threads, host_store, node_address
+from stages.distributed import RankWorker, host_store, node_address
 from stages.errors import StageInputError
-from stages.placement import (
-    ENGINES,
-    bundle_resources,
-    describe,
-    engine_bundles,
-    group_bundles,
-    models_take_turns,
-    placement_plan,
-    rank_processes,
-)
 from stages.rl import algorithms as rl_algo
 from stages.sequences import balanced_partitions, first_fit_count, select_rows
 
 
 def _dtype(cfg) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float32
-
-
-def reward_normalization(config) -> tuple[float, float] | None:
-    """(mean, std) stored with a reward model: ours (reward_mean/reward_std) or OpenRLHF's (mean/std)."""
-    for mean_key, std_key in (("reward_mean", "reward_std"), ("mean", "std")):
-        mean, std = getattr(config, mean_key, None), getattr(config, std_key, None)
-        if isinstance(mean, (int, float)) and isinstance(std, (int, float)):
-            return float(mean), max(float(std), 1e-8)
-    return None
-
-
-class TokenValueModel(torch.nn.Module):
-    """A scalar-head (sequence classification) model read at every position: values [B, T].
-
-    The critic of PPO. Its head is the reward model's (`score`), so a critic started from the reward model
-    begins with the reward model's estimates; with `normalization` the values are standardised like the rewards.
-    """
-
-    def __init__(self, model: torch.nn.Module, normalization: tuple[float, float] | None = None):
-        super().__init__()
-        if not isinstance(getattr(model, "score", None), torch.nn.Module):
-            raise StageInputError(f"critic model {type(model).__name__} has no `score` value head")
-        self.model = model
-        self.normalization = normalization
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **forward_kwargs) -> torch.Tensor:
-        model = lora.hf_model(self.model)  # with --lora_rank its layers hold the adapters, its head the trained copy
-        base = getattr(model, model.base_model_prefix)
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False, **forward_kwargs).last_hidden_state
-        values = model.score(hidden).squeeze(-1).float()
-        if self.normalization is not None:
-            mean, std = self.normalization
-            values = (values - mean) / std
-        return values
-
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        self.model.gradient_checkpointing_enable(**kwargs)
 
 
 class TrainedRole(RankWorker):
@@ -84,8 +32,32 @@ class TrainedRole(RankWorker):
 
     tag = ""
     aux_key = ""  # the logged name of its --aux_loss_coef term
+    value_model = False  # LoRA then also trains the value head
 
+    # ---- hooks
     def learning_rate(self) -> float: ...
+    def init_path(self) -> str:
+        """The model it starts from (a flag's value)."""
+    def load(self, path: str, options: dict) -> torch.nn.Module:
+        """The HF model at `path`, loaded with `options` (model_io.loading_options)."""
+    def ready(self, loaded: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+        """What trains: `model` (the `loaded` one made trainable); a role may wrap it."""
+        return model
+
+    def setup(self, cfg_dict: dict, config_cls: type) -> None:
+        """Join the rank group and load the model, made trainable as in every training stage (ds.trained_model)."""
+        from stages.model_io import loading_options, resolve_model_path
+
+        self.cfg = cfg = config_cls.model_validate(cfg_dict)
+        self.init_process_group()
+        self.join_ring(cfg)
+        ds.seed_everything(cfg.seed)
+        self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
+                                             micro_batch_size=cfg.micro_train_batch_size)
+        path = resolve_model_path(self.init_path())
+        loaded = ds.load_for_zero(lambda: self.load(path, loading_options(cfg, self.device)), self.ds_config)
+        self.model = self.ready(loaded, ds.trained_model(loaded, cfg, init=self.init_path(),
+                                                         value_model=self.value_model, aux_loss_coef=cfg.aux_loss_coef))
 
     def router_losses(self):
         """Collects the load-balancing losses of the model's forwards in the block (--aux_loss_coef > 0)."""
@@ -101,6 +73,13 @@ class TrainedRole(RankWorker):
         share = moe.step_share(aux_losses, micro_batches * self.dp_size)
         totals[self.aux_key] = totals.get(self.aux_key, 0.0) + share.item()
         return loss + self.cfg.aux_loss_coef * share
+
+    def add_grad_norm(self, totals: dict[str, float], key: str) -> None:
+        """The optimizer step's global gradient norm (None under ZeRO-0) into `totals`, as this rank's share: the
+        driver sums the data-parallel ranks' totals (stages/engine.py stop_if_diverged stops a non-finite one)."""
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
+            totals[key] = float(grad_norm) / self.dp_size
 
     def build(self, total_optimizer_steps: int) -> None:
         self.engine = ds.build_train_engine(self.model, self.cfg, self.ds_config, learning_rate=self.learning_rate(),
@@ -138,21 +117,18 @@ class PolicyWorker(TrainedRole):
     def learning_rate(self) -> float:
         return self.cfg.actor_learning_rate
 
-    def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_causal_lm, loading_options, resolve_model_path
+    def init_path(self) -> str:
+        return self.cfg.pretrain
 
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
-        self.join_ring(cfg)
-        ds.seed_everything(cfg.seed)
-        self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                             micro_batch_size=cfg.micro_train_batch_size)
-        path = resolve_model_path(cfg.pretrain)
-        model = ds.load_for_zero(lambda: load_causal_lm(path, **loading_options(cfg, self.device)), self.ds_config)
-        moe.check_router(model, cfg.aux_loss_coef, cfg.pretrain)
-        self.model = lora.wrap(model, cfg, value_model=False)
+    def load(self, path: str, options: dict) -> torch.nn.Module:
+        from stages.model_io import load_causal_lm
+
+        return load_causal_lm(path, **options)
+
+    def ready(self, loaded: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
         # Tied parameters travel once; the engines copy them to their other names.
-        self._tied = set(getattr(lora.hf_model(self.model), "all_tied_weights_keys", {}) or {})
+        self._tied = set(getattr(lora.hf_model(model), "all_tied_weights_keys", {}) or {})
+        return model
 
     def build(self, total_optimizer_steps: int) -> None:
         super().build(total_optimizer_steps)
@@ -257,6 +233,7 @@ class PolicyWorker(TrainedRole):
                 totals["policy_loss"] += policy_loss.item()
                 totals["clip_fraction"] += float(algo.masked_sum(clipped, mask)) / step_tokens
                 totals["approx_kl"] += float(algo.masked_sum(old_logp - logp, mask)) / step_tokens
+        self.add_grad_norm(totals, "grad_norm")
         if cfg.enable_ema:  # the optimizer stepped at the last micro-batch
             with torch.no_grad():
                 self._update_ema(cfg.ema_beta)
@@ -352,70 +329,6 @@ class PolicyWorker(TrainedRole):
         torch.distributed.barrier()
 
 
-class CriticWorker(TrainedRole):
-    """One rank of the critic (PPO's value model), trained on the returns with the clipped value loss."""
-
-    tag = "critic"
-    aux_key = "critic_aux_loss"
-
-    def learning_rate(self) -> float:
-        return self.cfg.critic_learning_rate
-
-    def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_value_model, loading_options, resolve_model_path
-
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        self.init_process_group()
-        self.join_ring(cfg)
-        ds.seed_everything(cfg.seed)
-        self.ds_config = ds.deepspeed_config(cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-                                             micro_batch_size=cfg.micro_train_batch_size)
-        path = resolve_model_path(cfg.critic_init)
-        model = ds.load_for_zero(
-            lambda: load_value_model(path, value_head_prefix=cfg.value_head_prefix,
-                                     **loading_options(cfg, self.device)), self.ds_config)
-        moe.check_router(model, cfg.aux_loss_coef, cfg.critic_init)
-        normalization = reward_normalization(model.config) if cfg.normalize_reward else None
-        # --lora_rank adapts the critic too (as in OpenRLHF), its value head trained whole.
-        self.model = TokenValueModel(lora.wrap(model, cfg, value_model=True), normalization)
-
-    @torch.no_grad()
-    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Value of the state before each action token, [B, T-1] (aligned with the action mask)."""
-        self.engine.eval()
-        cfg = self.cfg
-        micro = rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
-                                   next(self.engine.module.parameters()).device)
-        return forward_rows(batch, micro, lambda part: value_forward(self.engine, part, cfg.packing_samples, self.ring))
-
-    def export(self, save_path: str) -> None:
-        """--save_value_network: the critic as an HF value model (its `score` head), loadable as a reward model."""
-        from stages.model_io import load_tokenizer
-
-        ds.export_hf(self.engine.module.model, load_tokenizer(self.cfg.critic_init), save_path)
-
-    def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float) -> dict[str, float]:
-        cfg = self.cfg
-        self.engine.train()
-        scale = ds.global_loss_scale(self.engine, self.ring_size)
-        device = next(self.engine.module.parameters()).device
-        totals = {"critic_loss": 0.0, "values": 0.0}
-        micro_batches = rank_micro_batches(shard, cfg.micro_train_batch_size, cfg.train_token_budget, device)
-        for index, (micro, rows) in enumerate(micro_batches):
-            mask = micro["action_mask"]
-            with self.router_losses() as aux_losses:
-                values = value_forward(self.engine, micro, cfg.packing_samples, self.ring)
-            critic_loss = algo.aggregate_token_loss(
-                rl_algo.value_loss(values, micro["old_values"], micro["returns"], cfg.value_clip), mask, step_tokens)
-            loss = self.with_aux_loss(critic_loss, aux_losses, rows, len(micro_batches), totals)
-            accumulate(self.engine, cfg, last=index == len(micro_batches) - 1)
-            self.engine.backward(loss * scale)
-            self.engine.step()
-            totals["critic_loss"] += critic_loss.item()
-            totals["values"] += float(algo.masked_sum(values.detach(), mask)) / step_tokens
-        return totals
-
-
 class ReferenceWorker(RankWorker):
     """One rank of the frozen reference model."""
 
@@ -435,67 +348,6 @@ class ReferenceWorker(RankWorker):
     @torch.no_grad()
     def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return sequence_log_probs(self.model, batch, self.cfg, self.ring)
-
-
-class RewardModelWorker(RankWorker):
-    """One rank of the reward model. It scores the token ids of prompt + response + eos, so it must share the
-    policy's tokenizer, as a reward model trained from the SFT checkpoint does."""
-
-    def setup(self, cfg_dict: dict, config_cls: type) -> None:
-        from stages.model_io import load_tokenizer, load_value_model, loading_options, resolve_model_path
-
-        self.cfg = cfg = config_cls.model_validate(cfg_dict)
-        # Sharded with ZeRO-3 as the reference is (the RL stage's --zero_stage), a whole copy on every rank else.
-        sharded = getattr(cfg, "zero_stage", 0) == 3
-        self.init_process_group(deepspeed=sharded)
-        self.join_ring(cfg)
-        local = resolve_model_path(cfg.reward_pretrain)
-        ds_config = ds.deepspeed_config(
-            cfg, world_size=self.world_size, train_batch_size=cfg.train_batch_size,
-            micro_batch_size=cfg.micro_train_batch_size, train=False,
-            offload_params=cfg.ref_reward_offload and self.device == "cuda") if sharded else None
-        load = lambda: load_value_model(local, value_head_prefix=cfg.value_head_prefix, trained_head=True,  # noqa: E731
-                                        **loading_options(cfg, self.device))
-        model = ds.load_for_zero(load, ds_config) if sharded else load()
-        self.config = model.config
-        self.model = ds.build_inference_engine(model, ds_config, self.device) if sharded else model.eval().to(self.device)
-        self.eos_token_id = load_tokenizer(local).eos_token_id
-        self.max_positions = getattr(self.config, "max_position_embeddings", None)
-        self.normalization = reward_normalization(self.config)
-        if cfg.normalize_reward and self.normalization is None:
-            raise StageInputError(f"--normalize_reward: reward model {cfg.reward_pretrain} has no reward_mean/"
-                                  "reward_std (or mean/std) in its config.json; train it with stages.reward_model "
-                                  "and an --eval_dataset")
-
-    @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reward of each sequence: the value head at its eos, which a truncated response gets appended."""
-        cfg = self.cfg
-        rewards = torch.zeros(batch["input_ids"].shape[0])
-        for micro, rows in rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
-                                              self.device):
-            scores = packing_lib.last_token_values(
-                self.model, [ending_with_eos(seq, self.eos_token_id, self.max_positions) for seq in _unpadded(micro)[0]],
-                pad_token_id=self.config.pad_token_id, packing=getattr(cfg, "packing_samples", False),
-                ring=self.ring).cpu()
-            if rows:
-                rewards[rows] = scores.float()
-        if self.cfg.normalize_reward:
-            mean, std = self.normalization
-            rewards = (rewards - mean) / std
-        return rewards
-
-
-def ending_with_eos(sequence: list[int], eos_token_id: int, max_positions: int | None = None) -> list[int]:
-    """`sequence` as a reward model was trained to score it: ending with eos. A response cut at the length limit
-    gets eos appended (as OpenRLHF does), or its last token replaced where the model has no position left;
-    scored mid-text instead, a reward model is read where it never learned, and a policy can drift into
-    truncated answers that it happens to score well."""
-    if sequence and sequence[-1] == eos_token_id:
-        return sequence
-    if max_positions is not None and len(sequence) >= max_positions:
-        return sequence[: max_positions - 1] + [eos_token_id]
-    return sequence + [eos_token_id]
 
 
 def rank_micro_batches(batch: dict[str, torch.Tensor], size: int, token_budget: int | None,
@@ -575,21 +427,6 @@ def policy_forward(model, micro: dict[str, torch.Tensor], temperature: float, pa
     return stacked[..., 0], stacked[..., 1] if with_entropy else None
 
 
-def value_forward(model, micro: dict[str, torch.Tensor], packing: bool, ring=None) -> torch.Tensor:
-    """Values [B, T-1] of the state before each next token (aligned with the action mask), padded or packed
-    (over the ranks of a `ring`, if any)."""
-    if not packing:
-        return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])[:, :-1]
-    sequences, lengths = _unpadded(micro)
-    packed_ids, position_ids, starts = packing_lib.pack(sequences, micro["input_ids"].device)
-    values = ring_attention.per_token(
-        lambda part_ids, positions, _next, forward_kwargs: model(input_ids=part_ids, position_ids=positions,
-                                                                 **forward_kwargs)[0],
-        packed_ids, position_ids, ring)
-    width = micro["input_ids"].shape[1] - 1
-    return torch.stack([F.pad(values[start : start + n - 1], (0, width - n + 1)) for start, n in zip(starts, lengths)])
-
-
 @torch.no_grad()
 def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg, ring=None) -> torch.Tensor:
     """Log-probs [B, T-1] of a batch, micro-batch by micro-batch, on CPU."""
@@ -597,136 +434,3 @@ def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg, ring=None) ->
                                next(model.parameters()).device)
     return forward_rows(batch, micro, lambda part: policy_forward(model, part, cfg.temperature,
                                                                    cfg.packing_samples, ring=ring)[0])
-
-
-# ----------------------------------------------------------------------------- the roles of one run
-
-ROLE_WORKERS = {"actor": PolicyWorker, "critic": CriticWorker, "ref": ReferenceWorker, "reward": RewardModelWorker}
-
-
-class Roles:
-    """The Ray actor groups and rollout engines of one RL run, placed as the colocation flags say."""
-
-    def __init__(self, cfg, device: str, config_cls: type):
-        from stages.rl.rollout import create_rollout_engines
-
-        self.cfg = cfg
-        ranks = cfg.role_ranks()
-        plan = placement_plan(cfg)
-        bundles = group_bundles(cfg)
-        total = sum(bundles.values())
-        if device == "cuda" and total > ray.cluster_resources().get("GPU", 0):
-            raise StageInputError(f"this placement needs {total} GPUs ({describe(plan, bundles)}) but the Ray "
-                                  f"cluster has {ray.cluster_resources().get('GPU', 0):g}: lower the "
-                                  "*_num_gpus_per_node flags or colocate")
-        bundle = bundle_resources(cfg, device, total, ray.cluster_resources().get("CPU", 1))
-        # With --async_train the engines generate while a model computes: on CPU the two sides share the cores
-        # (with threads for all of them each, they spin against each other and both slow down).
-        actor_per_node = -(-ranks["actor"] // cfg.actor_num_nodes)
-        beside_models, beside_engines = ((cfg.vllm_num_engines, actor_per_node) if cfg.async_train else (0, 0))
-        self.placement_groups = []
-        self.groups: dict[str, ActorGroup] = {}
-        engine_options: dict[str, Any] = {}
-        for name, members in plan.items():
-            group = placement_group([dict(bundle) for _ in range(bundles[name])], strategy="PACK")
-            ray.get(group.ready())
-            self.placement_groups.append(group)
-            share = 1.0 / len(members)
-            fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
-            if ENGINES in members:
-                engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles(cfg))),
-                                      **fraction)
-            for hosted in rank_processes(cfg, [role for role in members if role != ENGINES]):
-                role = hosted[0]
-                per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
-                options = dict(placement=Placement(group, **fraction), threads=cpu_threads(per_node + beside_models))
-                if len(hosted) == 1:
-                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role, **options)
-                else:
-                    self.groups.update(ActorGroup.hosted({r: ROLE_WORKERS[r] for r in hosted}, ranks[role], device,
-                                                         **options))
-        for group in self.groups.values():
-            group.ring_size = cfg.ring_attn_size
-        self.engines = create_rollout_engines(
-            cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
-            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep=cfg.vllm_enable_sleep,
-            seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32", max_model_len=cfg.total_len,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
-            cpu_threads=cpu_threads(cfg.vllm_num_engines + beside_engines), wait=False, **engine_options,
-        )
-        self.sequential = models_take_turns(cfg, device)
-        self.buckets: list = []
-        self.shared_sync = False  # set by open_weight_sync
-        # Every rank joins its group and loads its model right away; start() waits for them.
-        self._joined = [ref for group in self.groups.values() for ref in group.rendezvous()]
-        cfg_dict = cfg.model_dump()
-        self._loaded = [ref for group in self.groups.values() for ref in group.run_async("setup", cfg_dict, config_cls)]
-
-    def start(self, optimizer_steps: int) -> dict[str, float]:
-        """Wait for every rank to join and load its model (begun in __init__), build the trained models' engines
-        for `optimizer_steps`, wait for the rollout engines; seconds of the waits."""
-        seconds = {}
-        started = time.perf_counter()
-        # Each rank builds its engine as soon as its model is loaded (its calls run in the order they are made).
-        built = [ref for role in ("actor", "critic") if role in self.groups
-                 for ref in self.groups[role].run_async("build", optimizer_steps)]
-        ray.get(self._joined)
-        seconds["processes"] = time.perf_counter() - started
-        ray.get(self._loaded + built + [engine.__ray_ready__.remote() for engine in self.engines])
-        seconds["models_and_engines"] = time.perf_counter() - started - seconds["processes"]
-        return seconds
-
-    @property
-    def actor(self) -> ActorGroup:
-        return self.groups["actor"]
-
-    def get(self, role: str) -> ActorGroup | None:
-        return self.groups.get(role)
-
-    def open_weight_sync(self, backend: str) -> int:
-        """Plan the buckets and, for engines on GPUs (CPU cores) of their own, join actor rank 0 and every engine
-        worker in the weight-sync group over `backend`; returns the bytes of one sync.
-
-        Engines on the actor's GPUs (--colocate_all_models) open the actor ranks' own copies instead: CUDA IPC
-        handles on GPUs, shared memory on CPU (stages/rl/weight_sync.py), whatever --vllm_sync_backend says (NCCL cannot
-        join two ranks on one GPU anyway).
-        """
-        from stages.rl.weight_sync import bucket_bytes_total
-
-        self.buckets = self.actor.run("sync_plan", self.cfg.vllm_sync_bucket_mb * 2**20)[0]
-        self.shared_sync = self.cfg.colocate_all_models
-        if self.shared_sync:
-            print("[rl] weight sync: the engines share the actor's devices (--colocate_all_models) and open its "
-                  "ranks' weights in place (CUDA IPC on GPUs, shared memory on CPU), no transfer", flush=True)
-            return bucket_bytes_total(self.buckets)
-        tp = self.cfg.vllm_tensor_parallel_size
-        world = 1 + len(self.engines) * tp
-        addr, port = ray.get(self.actor.on_rank(0, "weight_sync_endpoint", world))
-        ray.get([self.actor.on_rank(0, "open_weight_sync", addr, port, world, backend)]
-                + [engine.init_weight_sync.remote(addr, port, 1 + i * tp, world, backend)
-                   for i, engine in enumerate(self.engines)])
-        return bucket_bytes_total(self.buckets)
-
-    def sync_weights(self) -> None:
-        """The actor's current weights into every engine, bucket by bucket."""
-        if not self.shared_sync:
-            ray.get(self.actor.run_async("broadcast_weights", self.buckets)
-                    + [engine.receive_weights.remote(self.buckets) for engine in self.engines])
-            return
-        for index, bucket in enumerate(self.buckets):  # each rank keeps one bucket shared until the engines took it
-            shared = ray.get(self.actor.run_async("share_bucket", index, bucket))
-            ray.get([engine.receive_shared.remote(bucket, shared) for engine in self.engines])
-        ray.get(self.actor.run_async("release_shared"))
-
-    def engines_call(self, method: str, *args: Any) -> None:
-        ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
-
-    def shutdown(self) -> None:
-        for engine in self.engines:
-            ray.kill(engine)
-        for group in self.groups.values():
-            group.shutdown()
-        for group in self.placement_groups:
-            remove_placement_group(group)
-
