@@ -45,6 +45,7 @@ from stages.rewards import RewardBatch, reward_source_of
 from stages.rl import algorithms as rl_algo
 from stages.rl.agents import agent_rollouts, load_agent_executor
 from stages.rl.actor import PolicyWorker, ReferenceWorker
+from stages.rl.config import RLConfig
 from stages.rl.critic import CriticWorker, RewardModelWorker
 from stages.rl.rollout import (
     Extension,
@@ -81,7 +82,7 @@ ROLE_WORKERS = {"actor": PolicyWorker, "critic": CriticWorker, "ref": ReferenceW
 class Roles:
     """The Ray actor groups and rollout engines of one RL run, placed as the colocation flags say."""
 
-    def __init__(self, cfg, device: str, config_cls: type):
+    def __init__(self, cfg: RLConfig, device: str, config_cls: type):
         from stages.rl.rollout import create_rollout_engines
 
         self.cfg = cfg
@@ -248,7 +249,7 @@ class Scorer:
     agent: Any = None  # AgentExecutorBase | None
     tokenizer: Any = None
 
-    def sample(self, cfg, engines: list, prompts: list[dict], *, n: int, temperature: float, top_p: float,
+    def sample(self, cfg: RLConfig, engines: list, prompts: list[dict], *, n: int, temperature: float, top_p: float,
                seed: int, logprobs: bool = False) -> tuple[list[Rollout], RewardBatch | None]:
         """`n` responses per prompt from the engines, and with an agent their rewards (else None: score them)."""
         if self.agent is not None:
@@ -312,7 +313,7 @@ class RolloutCollector:
     (`carried`) and fill the next rollouts first. With --partial_rollout responses are generated in segments
     between which a weight update may land (`queue.segment`)."""
 
-    def __init__(self, cfg, roles: Roles, stream: PromptStream, scorer: Scorer, carried: list[PromptGroup],
+    def __init__(self, cfg: RLConfig, roles: Roles, stream: PromptStream, scorer: Scorer, carried: list[PromptGroup],
                  tokenizer):
         self.cfg, self.roles, self.stream, self.scorer, self.carried = cfg, roles, stream, scorer, list(carried)
         self.tokenizer = tokenizer
@@ -436,7 +437,7 @@ def restored_group(state: dict[str, Any]) -> PromptGroup:
                        state["policy_version"], state["mixed_version_samples"])
 
 
-def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+def shape_rewards(cfg: RLConfig, rewards: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     if cfg.overlong_buffer_len:
         rewards = rl_algo.overlong_penalty(rewards, lengths, cfg.generate_max_len, cfg.overlong_buffer_len,
                                         cfg.overlong_penalty_factor)
@@ -447,14 +448,14 @@ def shape_rewards(cfg, rewards: torch.Tensor, lengths: torch.Tensor, truncated: 
 
 # ----------------------------------------------------------------------------- one step
 
-def rollout_is_one_update(cfg) -> bool:
+def rollout_is_one_update(cfg: RLConfig) -> bool:
     """True when each rollout makes exactly one optimizer step and no KL goes into the reward: the policy that
     sampled is the one being updated, so its log-probs come from the training forward itself (no extra pass)."""
     one_step = cfg.max_epochs == 1 and cfg.rollout_batch_size * cfg.n_samples_per_prompt == cfg.train_batch_size
     return one_step and not (cfg.uses_reference and not cfg.use_kl_loss)
 
 
-def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, kl_ctl,
+def make_experience(cfg: RLConfig, roles: Roles, batch: RolloutBatch, pad_token_id: int, kl_ctl,
                     timer: PhaseTimer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Sequences, log-probs, values, KL, advantages and returns of one rollout batch."""
     rollouts = batch.rollouts
@@ -520,7 +521,7 @@ def make_experience(cfg, roles: Roles, batch: RolloutBatch, pad_token_id: int, k
     return experience, stats
 
 
-def train_on_experience(cfg, roles: Roles, experience: dict[str, torch.Tensor], step: int, kl_coef: float,
+def train_on_experience(cfg: RLConfig, roles: Roles, experience: dict[str, torch.Tensor], step: int, kl_coef: float,
                         gpu: bool, timer: PhaseTimer) -> tuple[dict[str, float], bool]:
     """`max_epochs` passes of optimizer steps over the experience; returns (mean stats, whether the actor moved).
 
@@ -553,7 +554,7 @@ def train_on_experience(cfg, roles: Roles, experience: dict[str, torch.Tensor], 
     return stats, train_actor
 
 
-def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tensor], step: int,
+def _run_updates(cfg: RLConfig, groups: list, jobs: dict, experience: dict[str, torch.Tensor], step: int,
                  totals: dict[str, float]) -> None:
     generator = torch.Generator().manual_seed(cfg.seed * 31 + step)
     for _ in range(cfg.max_epochs):
@@ -574,7 +575,7 @@ def _run_updates(cfg, groups: list, jobs: dict, experience: dict[str, torch.Tens
                         totals[key] = totals.get(key, 0.0) + value
 
 
-def drift_warnings(cfg, first: dict[str, Any], record: dict[str, Any]) -> dict[str, str]:
+def drift_warnings(cfg: RLConfig, first: dict[str, Any], record: dict[str, Any]) -> dict[str, str]:
     """What the training guards see in this step's record, compared with the first step's: {guard: message}."""
     warnings = {}
     if record["kl"] > cfg.drift_max_kl:
@@ -588,7 +589,7 @@ def drift_warnings(cfg, first: dict[str, Any], record: dict[str, Any]) -> dict[s
     return warnings
 
 
-def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) -> dict[str, float]:
+def evaluate_held_out(cfg: RLConfig, roles: Roles, prompts: list[dict], scorer: Scorer) -> dict[str, float]:
     """Greedy reward (task accuracy with a 0/1 rule reward) and pass@n of the held-out prompts."""
     labels = [p["label"] for p in prompts]
     greedy, rewards = scorer.sample(cfg, roles.engines, prompts, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed)
@@ -614,11 +615,10 @@ def evaluate_held_out(cfg, roles: Roles, prompts: list[dict], scorer: Scorer) ->
 
 # ----------------------------------------------------------------------------- the stage
 
-def run(cfg) -> dict[str, Any]:
+def run(cfg: RLConfig) -> dict[str, Any]:
     import psutil
 
     from stages.model_io import resolve_model_path
-    from stages.rl.config import RLConfig
 
     # From the start of this process to here: interpreter, imports, flag parsing.
     parts = {"imports": time.time() - psutil.Process().create_time()}
@@ -663,7 +663,7 @@ def run(cfg) -> dict[str, Any]:
         roles.shutdown()
 
 
-def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
+def load_prompts(cfg: RLConfig) -> tuple[list[dict], list[dict], Any, Any]:
     """(training prompts, held-out prompts, the reward function or endpoints, the tokenizer), data validated.
 
     The data libraries are imported here, once the role processes are starting, not before."""
@@ -688,7 +688,7 @@ def load_prompts(cfg) -> tuple[list[dict], list[dict], Any, Any]:
     return prompts, eval_prompts, reward_source, tokenizer
 
 
-def train(cfg, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, tokenizer,
+def train(cfg: RLConfig, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, tokenizer,
           start_step: int, total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     if start_step and roles.get("critic") is not None:
@@ -836,7 +836,7 @@ def throughput(experience: dict[str, torch.Tensor], step_seconds: float) -> dict
     return {"samples_per_s": samples / step_seconds, "tokens_per_s": tokens / step_seconds}
 
 
-def final_metrics(cfg, history: list[dict], start_step: int, total_steps: int, started: float,
+def final_metrics(cfg: RLConfig, history: list[dict], start_step: int, total_steps: int, started: float,
                   startup: dict[str, float], eval_initial: float | None, best: dict | None) -> dict[str, Any]:
     metrics: dict[str, Any] = {"steps": total_steps, "resumed_from_step": start_step,
                                "train_seconds": round(time.time() - started, 2),
