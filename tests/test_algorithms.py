@@ -567,6 +567,53 @@ def test_gspo_clips_one_ratio_per_sequence_and_averages_per_sequence():
     close(logp.grad, [[0.0, 0.0], [0.452419, 0.0]])
 
 
+@pytest.mark.parametrize(
+    "old_logp, logp, advantage, expected_loss, expected_grad, expected_clipped",
+    [
+        # ratio e^0.5 = 1.6487 -> w = 1.2; loss -1.2 * 1 * (-0.5) = 0.6; gradient -w * A = -1.2 (PPO's: 0, clipped).
+        (-1.0, -0.5, 1.0, 0.6, -1.2, 1.0),
+        # ratio e^-0.5 = 0.6065 -> w = 0.8; A = +1: loss 0.8, gradient -0.8.
+        (-0.5, -1.0, 1.0, 0.8, -0.8, 1.0),
+        # Same with A = -1: loss -0.8, gradient +0.8 (PPO's: 0, clipped at 0.8).
+        (-0.5, -1.0, -1.0, -0.8, 0.8, 1.0),
+        # ratio e^-0.1 = 0.904837 inside [0.8, 1.2]: w = ratio; loss 0.904837 * 1.1 = 0.995321, gradient -0.904837.
+        (-1.0, -1.1, 1.0, 0.995321, -0.904837, 0.0),
+    ],
+)
+def test_cispo_worked_rows(old_logp, logp, advantage, expected_loss, expected_grad, expected_clipped):
+    logp_t = torch.tensor([logp], requires_grad=True)
+    loss_t, clipped = rl_algo.cispo_policy_loss(logp_t, torch.tensor([old_logp]), torch.tensor([advantage]),
+                                                eps_clip_low=0.2, eps_clip_high=0.2)
+    close(loss_t, [expected_loss])
+    close(clipped, [expected_clipped])
+    loss_t.sum().backward()
+    close(logp_t.grad, [expected_grad])
+
+
+def test_cispo_keeps_the_gradient_ppo_clips_away_and_agrees_with_ppo_on_policy():
+    """Where PPO's clip zeroes a token's gradient, CISPO keeps it scaled by the clipped weight; on-policy
+    (logp == old_logp, w = 1) both give the policy gradient -A per token."""
+    logp = torch.tensor([-0.5, -1.0], requires_grad=True)
+    old, advantages = torch.tensor([-1.0, -1.0]), torch.tensor([1.0, 1.0])
+    ppo_t, _ = rl_algo.policy_loss(logp, old, advantages)
+    ppo_grad, = torch.autograd.grad(ppo_t.sum(), logp)
+    cispo_t, _ = rl_algo.cispo_policy_loss(logp, old, advantages)
+    cispo_grad, = torch.autograd.grad(cispo_t.sum(), logp)
+    close(ppo_grad, [0.0, -1.0])
+    close(cispo_grad, [-1.2, -1.0])
+    # The weight carries no gradient: only the log-prob factor does. One-sided, as the paper: eps_low = 1.
+    far = torch.tensor([-5.0], requires_grad=True)
+    loss_t, clipped = rl_algo.cispo_policy_loss(far, torch.tensor([0.0]), torch.tensor([1.0]), 1.0, 4.0)
+    loss_t.backward()
+    close(far.grad, [-math.exp(-5.0)])
+    close(clipped, [0.0])
+    # Aggregated as PPO's loss: a global token mean, masked positions (even nan) change nothing.
+    mask = torch.tensor([[1, 1, 0]])
+    loss_t, _ = rl_algo.cispo_policy_loss(torch.tensor([[-0.5, -1.1, float("nan")]]), torch.tensor([[-1.0, -1.0, 0.0]]),
+                                          torch.ones(1, 3))
+    close(algo.aggregate_token_loss(loss_t, mask), (0.6 + 0.995321) / 2)
+
+
 def test_ema_update_averages_in_place_from_the_initial_weights():
     """β = 0.9 from w0 = 1.0: after weights 2.0 then 4.0 the average is 0.9·1.1 + 0.1·4 = 1.39."""
     average = torch.tensor([1.0, -1.0])

@@ -175,7 +175,7 @@ class PolicyWorker(TrainedRole):
 
         Losses are token sums divided by `step_tokens`, the action tokens of the whole optimizer step over all
         ranks: a global token mean however the step is split (GSPO's policy loss: per-sequence means over the
-        step's `step_sequences`). Without `old_logp` in the shard (one optimizer step
+        step's `step_sequences`; CISPO's is a token mean like PPO's). Without `old_logp` in the shard (one optimizer step
         per rollout) the rollout policy is the current one: its log-probs are this forward's, detached, and the
         KL to the reference is measured here (`kl_sum`: the sum over sequences of each one's token-mean KL).
         """
@@ -200,8 +200,12 @@ class PolicyWorker(TrainedRole):
                                                         cfg.dual_clip)
                 policy_loss = rl_algo.aggregate_sequence_loss(loss_t, mask, step_sequences)
             else:
-                loss_t, clipped = rl_algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high,
-                                                   cfg.dual_clip)
+                if cfg.policy_loss_type == "cispo":
+                    loss_t, clipped = rl_algo.cispo_policy_loss(logp, old_logp, micro["advantages"], eps_low,
+                                                                eps_high)
+                else:
+                    loss_t, clipped = rl_algo.policy_loss(logp, old_logp, micro["advantages"], eps_low, eps_high,
+                                                          cfg.dual_clip)
                 if rollout_logp is not None:
                     low, high = cfg.vllm_is_truncated_threshold
                     weights, affected = rl_algo.rollout_correction(old_logp, rollout_logp, mask,

@@ -292,6 +292,27 @@ def gspo_policy_loss(
                        eps_clip_low, eps_clip_high, dual_clip)
 
 
+def cispo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_clip_low: float = 0.2,
+    eps_clip_high: float = 0.2,
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1): the importance weight, clipped and detached, times the token's log-prob times its
+    advantage -> (loss_t, clip_mask), [B, T] float32; aggregate with the mask (a token mean, as ppo).
+
+    w = sg(clamp(exp(clamp(logp - old_logp, -20, 20)), 1 - eps_low, 1 + eps_high)); loss_t = -w * A * logp.
+    Unlike PPO's clip no token loses its gradient: a clipped weight only scales it, d loss_t / d logp = -w * A.
+    clip_mask is 1 where the weight was clamped. The paper bounds the weight from above only: give eps_low >= 1.
+    """
+    log_ratio = (logp.float() - old_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high)
+    clip_mask = (weight != ratio).float()
+    return -weight * advantages.float() * logp.float(), clip_mask
+
+
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 

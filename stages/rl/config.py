@@ -129,9 +129,12 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     dual_clip: float | None = Field(
         None, gt=1, description="dual-clip PPO bound c > 1 for negative advantages; unset: off",
     )
-    policy_loss_type: Literal["ppo", "gspo"] = Field(
+    policy_loss_type: Literal["ppo", "gspo", "cispo"] = Field(
         "ppo", description="ppo: token ratios, loss averaged over the step's tokens; gspo: one ratio per sequence "
-        "(exp of its mean token log-ratio), loss averaged per sequence then over the step's sequences",
+        "(exp of its mean token log-ratio), loss averaged per sequence then over the step's sequences; cispo "
+        "(MiniMax-M1): the token ratio clipped to [1 - low, 1 + high] of --eps_clip / --eps_clip_low_high and "
+        "detached, times the token's log-prob times its advantage, averaged over the step's tokens (no token loses "
+        "its gradient)",
     )
     entropy_loss_coef: float | None = Field(
         None, ge=0,
@@ -445,6 +448,9 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
         low, high = self.reward_clip_range
         if low >= high:
             problems.append(f"--reward_clip_range {low} {high}: low must be below high")
+        if self.policy_loss_type == "cispo" and self.dual_clip is not None:
+            problems.append(f"--dual_clip {self.dual_clip} bounds PPO's clipped objective: --policy_loss_type cispo "
+                            "has none (its clipped weight is detached and scales every token's gradient)")
         if self.eps_clip_low_high is not None and min(self.eps_clip_low_high) <= 0:
             problems.append("--eps_clip_low_high: both clip ranges must be > 0")
         if self.overlong_buffer_len is not None and self.overlong_buffer_len >= self.generate_max_len:
