@@ -65,29 +65,82 @@ def response_means(token_log_probs: list[torch.Tensor], masks: list[list[int]]) 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def token_log_probs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(label) per position, [B, T, V] x [B, T] -> [B, T], in float32.
+# Positions per chunk: as many as keep one chunk's float32 copy of the logits at LOGITS_CHUNK_BYTES (256 MiB:
+# 523 positions of Llama-3's 128256-entry vocabulary).
+LOGITS_CHUNK_BYTES = 256 * 2**20
 
-    Works one sequence at a time so that only a [T, V] float32 copy exists at once (bf16 logits of a large
-    vocabulary would otherwise double in size). Negative labels (ignore index -100) are read at id 0: mask them.
+
+def logits_chunk_positions(vocab_size: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
+    """Positions per chunk of the log-prob and entropy passes: one chunk's float32 logits fit in `chunk_bytes`."""
+    return max(1, chunk_bytes // (4 * max(vocab_size, 1)))
+
+
+def _label_log_probs(logits: Tensor, labels: Tensor | None) -> Tensor:
+    """log p(label) of each row of a [n, V] chunk (already scaled and in float32)."""
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _entropy(logits: Tensor, _labels: Tensor | None) -> Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+class _ChunkedRows(torch.autograd.Function):
+    """`per_row(logits / temperature in float32, labels)` ([n, V] -> [n]) over [B, T, V] logits, a chunk of at most
+    `chunk` positions of one sequence at a time, so that no float32 copy of the whole [B, T, V] (nor of one sequence's
+    [T, V]) exists: forward and backward each hold one chunk's float32 copy and temporaries. Only the logits (in
+    their own dtype) are kept for the backward, which recomputes each chunk's graph: the gradient is the one the
+    unchunked autograd graph gives, chunk by chunk, written into one tensor of the logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, per_row, logits: Tensor, labels: Tensor | None, temperature: float, chunk: int) -> Tensor:
+        out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        for row in range(logits.shape[0]):
+            for start in range(0, logits.shape[1], chunk):
+                part = slice(start, start + chunk)
+                out[row, part] = per_row(_scaled(logits[row, part], temperature).float(),
+                                         None if labels is None else labels[row, part])
+        ctx.per_row, ctx.temperature, ctx.chunk = per_row, temperature, chunk
+        ctx.save_for_backward(logits, labels)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for row in range(logits.shape[0]):
+            for start in range(0, logits.shape[1], ctx.chunk):
+                part = slice(start, start + ctx.chunk)
+                with torch.enable_grad():
+                    piece = logits[row, part].detach().requires_grad_()
+                    value = ctx.per_row(_scaled(piece, ctx.temperature).float(),
+                                        None if labels is None else labels[row, part])
+                    grad[row, part], = torch.autograd.grad(value, piece, grad_out[row, part])
+        return None, grad, None, None, None
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    # In the logits' dtype, as `logits / temperature` over the whole tensor would be (a division by 1 changes nothing).
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def token_log_probs(logits: Tensor, labels: Tensor, temperature: float = 1.0, chunk: int | None = None) -> Tensor:
+    """log p(label) per position of the distribution ``logits / temperature``, [B, T, V] x [B, T] -> [B, T], in
+    float32.
+
+    Chunked over positions (``chunk``, default logits_chunk_positions): only one chunk's float32 copy of the logits
+    exists at a time, in the forward and in the backward (bf16 logits of a large vocabulary would otherwise double,
+    with logsumexp's temporary triple, in size). Negative labels (ignore index -100) are read at id 0: mask them.
     """
-    safe_labels = labels.clamp(min=0).unsqueeze(-1)
-    rows = []
-    for row_logits, row_labels in zip(logits, safe_labels):
-        row_logits = row_logits.float()
-        label_logits = row_logits.gather(-1, row_labels).squeeze(-1)
-        rows.append(label_logits - torch.logsumexp(row_logits, dim=-1))
-    return torch.stack(rows)
+    chunk = chunk or logits_chunk_positions(logits.shape[-1])
+    return _ChunkedRows.apply(_label_log_probs, logits, labels.clamp(min=0), float(temperature), chunk)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the softmax distribution per position, [B, T, V] -> [B, T], in float32, one sequence at a time."""
-    rows = []
-    for row_logits in logits:
-        row_logits = row_logits.float()
-        probs = torch.softmax(row_logits, dim=-1)
-        rows.append(torch.logsumexp(row_logits, dim=-1) - (probs * row_logits).sum(-1))
-    return torch.stack(rows)
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk: int | None = None) -> Tensor:
+    """Entropy of the softmax of ``logits / temperature`` per position, [B, T, V] -> [B, T], in float32, chunked
+    over positions as token_log_probs."""
+    chunk = chunk or logits_chunk_positions(logits.shape[-1])
+    return _ChunkedRows.apply(_entropy, logits, None, float(temperature), chunk)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def packed_log_probs(model, sequences: list[list[int]], temperature: float = 1.0
 
     def run(ids: Tensor, positions: Tensor, next_ids: Tensor, forward_kwargs: dict) -> Tensor:
         logits = model(input_ids=ids, position_ids=positions, use_cache=False, **forward_kwargs).logits
-        return algo.token_log_probs(logits / temperature, next_ids)[0]
+        return algo.token_log_probs(logits, next_ids, temperature)[0]
 
     token_logp = ring_attention.per_token(run, input_ids, position_ids, ring)
     return [token_logp[start : start + len(seq) - 1] for start, seq in zip(starts, sequences)]
@@ -69,7 +69,7 @@ def padded_log_probs(model, sequences: list[list[int]], pad_token_id: int, tempe
     """The same log-probs from one right-padded batch."""
     input_ids, attention_mask = _padded(sequences, pad_token_id, model_device(model))
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    token_logp = algo.token_log_probs(logits / temperature, input_ids[:, 1:])
+    token_logp = algo.token_log_probs(logits, input_ids[:, 1:], temperature)
     return [token_logp[row, : len(seq) - 1] for row, seq in enumerate(sequences)]
 
 

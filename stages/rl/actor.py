@@ -413,16 +413,20 @@ def policy_forward(model, micro: dict[str, torch.Tensor], temperature: float, pa
     over the ranks of a `ring` with --ring_attn_size (stages/ring_attention.py)."""
     ids = micro["input_ids"]
     if not packing:
-        logits = model(input_ids=ids, attention_mask=micro["attention_mask"]).logits[:, :-1] / temperature
-        return algo.token_log_probs(logits, ids[:, 1:]), algo.entropy_from_logits(logits) if with_entropy else None
+        # The log-probs and entropies divide by the temperature chunk by chunk (stages/algorithms.py): no scaled
+        # copy, and no float32 one, of the whole logits.
+        logits = model(input_ids=ids, attention_mask=micro["attention_mask"]).logits[:, :-1]
+        return (algo.token_log_probs(logits, ids[:, 1:], temperature),
+                algo.entropy_from_logits(logits, temperature) if with_entropy else None)
     sequences, lengths = _unpadded(micro)
     packed_ids, position_ids, starts = packing_lib.pack(sequences, ids.device)
 
     def run(part_ids, positions, next_ids, forward_kwargs) -> torch.Tensor:
         logits = model(input_ids=part_ids, position_ids=positions, use_cache=False, **forward_kwargs).logits
-        logits = logits / temperature
-        logp = algo.token_log_probs(logits, next_ids)[0]
-        return torch.stack([logp, algo.entropy_from_logits(logits)[0]], dim=-1) if with_entropy else logp[:, None]
+        logp = algo.token_log_probs(logits, next_ids, temperature)[0]
+        if not with_entropy:
+            return logp[:, None]
+        return torch.stack([logp, algo.entropy_from_logits(logits, temperature)[0]], dim=-1)
 
     per_token = ring_attention.per_token(run, packed_ids, position_ids, ring)
     width = ids.shape[1] - 1
