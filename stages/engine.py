@@ -111,14 +111,52 @@ def trained_model(model: torch.nn.Module, cfg, *, init: str, value_model: bool, 
     return lora.wrap(model, cfg, value_model=value_model)
 
 
+ADAM_EPS = 1e-8  # torch.optim.AdamW's and DeepSpeed's FusedAdam / DeepSpeedCPUAdam's default alike
+
+
+def optimizer_section(cfg, *, learning_rate: float, device: str) -> dict | None:
+    """The DeepSpeed config's "optimizer" section for a trained model on `device` (DeepSpeed's accelerator: "cuda"
+    or "cpu"), or None where the engine gets an optimizer instance.
+
+    On GPUs DeepSpeed builds the optimizer from the section: FusedAdam (in AdamW mode), or DeepSpeedCPUAdam when
+    --adam_offload moves the optimizer to host memory (engine.py get_optimizer_configuration). ZeRO-3's
+    offload_states (--deepspeed_enable_sleep) accepts FusedAdam only (deepspeed/runtime/zero/stage3.py:3869, "Offloading
+    is supported only for DeepSpeed FusedAdam."), which an optimizer instance built here would not be. On CPU
+    FusedAdam has no kernel: the engine keeps torch's AdamW (or DeepSpeedCPUAdam with --adam_offload) as an instance,
+    as before."""
+    if device != "cuda":
+        return None
+    return {"type": "AdamW", "params": {"lr": learning_rate, "betas": list(cfg.adam_betas), "eps": ADAM_EPS,
+                                        "weight_decay": cfg.l2}}
+
+
 def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning_rate: float, total_steps: int):
-    """A DeepSpeed engine with AdamW (CPU Adam when the optimizer is offloaded) and the configured LR schedule."""
+    """A DeepSpeed engine with AdamW (CPU Adam when the optimizer is offloaded) and the configured LR schedule; on
+    GPUs DeepSpeed builds the optimizer from its config (optimizer_section)."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from transformers import get_scheduler
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def schedule(optimizer):
+        return get_scheduler(
+            cfg.lr_scheduler,
+            optimizer,
+            num_warmup_steps=int(cfg.lr_warmup_ratio * total_steps),
+            num_training_steps=max(total_steps, 1),
+            # As OpenRLHF: the cosine schedule decays to a tenth of the peak rate.
+            scheduler_specific_kwargs={"min_lr": learning_rate * 0.1} if cfg.lr_scheduler == "cosine_with_min_lr"
+            else None,
+        )
+
+    section = optimizer_section(cfg, learning_rate=learning_rate, device=get_accelerator().device_name())
+    if section is not None:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, lr_scheduler=schedule,
+                                          config={**ds_config, "optimizer": section})
+        return engine
     betas = tuple(cfg.adam_betas)
     if getattr(cfg, "adam_offload", False):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -126,15 +164,8 @@ def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning
         optimizer = DeepSpeedCPUAdam(params, lr=learning_rate, betas=betas, weight_decay=cfg.l2)
     else:
         optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=betas, weight_decay=cfg.l2)
-    scheduler = get_scheduler(
-        cfg.lr_scheduler,
-        optimizer,
-        num_warmup_steps=int(cfg.lr_warmup_ratio * total_steps),
-        num_training_steps=max(total_steps, 1),
-        # As OpenRLHF: the cosine schedule decays to a tenth of the peak rate.
-        scheduler_specific_kwargs={"min_lr": learning_rate * 0.1} if cfg.lr_scheduler == "cosine_with_min_lr" else None,
-    )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule(optimizer),
+                                      config=ds_config)
     return engine
 
 

@@ -263,3 +263,66 @@ def test_a_truncated_response_is_scored_at_an_eos_as_the_reward_model_was_traine
     assert ending_with_eos([5, 6, 2], eos_token_id=2) == [5, 6, 2]  # stopped: scored as it is
     assert ending_with_eos([5, 6, 7], eos_token_id=2) == [5, 6, 7, 2]  # cut at the length limit: eos appended
     assert ending_with_eos([5, 6, 7], eos_token_id=2, max_positions=3) == [5, 6, 2]  # no position left: replaced
+
+
+def _deepspeed_choice(ds_config: dict):
+    """The optimizer class DeepSpeed builds from `ds_config`'s "optimizer" section, by its own selection
+    (DeepSpeedEngine.get_optimizer_configuration) on a stand-in engine: no GPU, no engine needed."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    offload = ds_config["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu"
+    stand_in = types.SimpleNamespace(zero_use_cpu_optimizer=lambda: offload, bf16_optimizer_states=lambda: False,
+                                     zenflow=False)
+    params = dict(ds_config["optimizer"]["params"])
+    optimizer_cls, kwargs = DeepSpeedEngine.get_optimizer_configuration(stand_in, params, True)
+    return optimizer_cls, kwargs
+
+
+@pytest.mark.parametrize("adam_offload", [False, True])
+def test_on_gpus_deepspeed_builds_the_optimizer_from_its_config_fused_adam_that_zero3_can_offload(adam_offload):
+    """The seed's hybrid PPO command (ZeRO-3, --deepspeed_enable_sleep) on GPUs: the DeepSpeed config carries an
+    AdamW section, from which DeepSpeed builds FusedAdam, the class ZeRO-3's offload_states asserts
+    (deepspeed/runtime/zero/stage3.py: "Offloading is supported only for DeepSpeed FusedAdam."); with --adam_offload
+    DeepSpeedCPUAdam in AdamW mode, as the instance built before. On CPU: no section (torch's AdamW instance)."""
+    import deepspeed.ops.adam.fused_adam
+
+    from stages import engine as ds
+
+    argv = ["--config", "tiny", "--colocate_all_models", "--deepspeed_enable_sleep", "--zero_stage", "3",
+            "--adam_betas", "0.9", "0.95", "--l2", "0.01", "--pretrain", "m", "--prompt_data", "p.jsonl",
+            "--remote_rm_url", "r.py"] + (["--adam_offload"] if adam_offload else [])
+    cfg = parse_stage_args(STAGES["rl"], argv)
+    section = ds.optimizer_section(cfg, learning_rate=5e-7, device="cuda")
+    assert section == {"type": "AdamW", "params": {"lr": 5e-7, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                   "weight_decay": 0.01}}
+    ds_config = {**ds.deepspeed_config(cfg, world_size=8, train_batch_size=cfg.train_batch_size,
+                                       micro_batch_size=cfg.micro_train_batch_size), "optimizer": section}
+    optimizer_cls, kwargs = _deepspeed_choice(ds_config)
+    if adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        assert optimizer_cls is DeepSpeedCPUAdam and kwargs["adamw_mode"] is True
+    else:
+        assert optimizer_cls is deepspeed.ops.adam.fused_adam.FusedAdam and kwargs == {"adam_w_mode": True}
+    assert ds.optimizer_section(cfg, learning_rate=5e-7, device="cpu") is None
+
+
+def test_deepspeed_sleep_offloads_the_trained_models_once_built_on_gpus_only():
+    from stages.rl.driver import offload_trained_states
+
+    calls = []
+
+    class Group:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, method, *args):
+            calls.append((self.name, method))
+
+    roles = types.SimpleNamespace(get={"actor": Group("actor"), "critic": Group("critic"), "ref": Group("ref")}.get)
+    cfg = types.SimpleNamespace(deepspeed_enable_sleep=True)
+    assert offload_trained_states(cfg, roles, gpu=True) == ["critic", "actor"]
+    assert calls == [("critic", "offload_states"), ("actor", "offload_states")]
+    calls.clear()
+    assert offload_trained_states(cfg, roles, gpu=False) == [] and calls == []
+    assert offload_trained_states(types.SimpleNamespace(deepspeed_enable_sleep=False), roles, gpu=True) == []

@@ -359,6 +359,10 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
         for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
             if getattr(self, flag) and not self.colocate_all_models:
                 problems.append(f"--{flag} requires --colocate_all_models (sleep frees GPUs shared between models)")
+        if self.deepspeed_enable_sleep and self.zero_stage == 0:
+            problems.append("--deepspeed_enable_sleep moves ZeRO's optimizer states off the GPUs: it needs "
+                            "--zero_stage 1, 2 or 3, got --zero_stage 0 (DeepSpeed's ZeRO-0 optimizer has no "
+                            "offload_states)")
         if self.rollout_backend == "hf" and self.vllm_enable_sleep:
             problems.append("--vllm_enable_sleep needs vLLM engines: not with --rollout_backend hf")
         ranks = self.role_ranks()

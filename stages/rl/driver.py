@@ -554,6 +554,18 @@ def train_on_experience(cfg: RLConfig, roles: Roles, experience: dict[str, torch
     return stats, train_actor
 
 
+def offload_trained_states(cfg: RLConfig, roles: Roles, gpu: bool) -> list[str]:
+    """--deepspeed_enable_sleep on GPUs: the trained models' optimizer states, master weights and gradient buffers go
+    to host memory once their engines are built (and their checkpoint is loaded), as OpenRLHF does after init; each
+    comes back only for its own training turn (train_on_experience). Returns the roles offloaded."""
+    if not (cfg.deepspeed_enable_sleep and gpu):
+        return []
+    offloaded = [role for role in ("critic", "actor") if roles.get(role) is not None]
+    for role in offloaded:
+        roles.get(role).run("offload_states")
+    return offloaded
+
+
 def _run_updates(cfg: RLConfig, groups: list, jobs: dict, experience: dict[str, torch.Tensor], step: int,
                  totals: dict[str, float]) -> None:
     generator = torch.Generator().manual_seed(cfg.seed * 31 + step)
@@ -693,6 +705,7 @@ def train(cfg: RLConfig, roles: Roles, prompts: list[dict], eval_prompts: list[d
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     if start_step and roles.get("critic") is not None:
         roles.get("critic").run("load_checkpoint", start_step)
+    offload_trained_states(cfg, roles, gpu)
     history: list[dict] = client_state.get("history", [])
     kl_ctl = (rl_algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else rl_algo.FixedKLController(cfg.init_kl_coef))
