@@ -326,3 +326,18 @@ def test_deepspeed_sleep_offloads_the_trained_models_once_built_on_gpus_only():
     calls.clear()
     assert offload_trained_states(cfg, roles, gpu=False) == [] and calls == []
     assert offload_trained_states(types.SimpleNamespace(deepspeed_enable_sleep=False), roles, gpu=True) == []
+
+
+def test_a_tensor_parallel_engine_sees_the_gpus_whatever_ray_sets_for_a_zero_gpu_actor():
+    """A TP-2 engine of the seed's hybrid command (engine 1: bundles 2 and 3, workers of 0.2 GPU): the actor asks
+    Ray not to blank CUDA_VISIBLE_DEVICES for a zero-GPU actor, and where Ray did (its pre-2.60 default, or
+    RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1 on the cluster) the engine drops the empty value before vLLM starts."""
+    from stages.rl.rollout import engine_device_env, tp_engine_env
+
+    assert tp_engine_env([2, 3], 0.2) == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.2",
+                                          "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    assert engine_device_env({"CUDA_VISIBLE_DEVICES": ""}, 2) == {"CUDA_VISIBLE_DEVICES": None}
+    assert engine_device_env({}, 2) == {}  # Ray 2.60's default: the variable is not set, all GPUs visible
+    assert engine_device_env({"CUDA_VISIBLE_DEVICES": "0,1"}, 2) == {}
+    # A TP-1 engine holds its own GPU share: Ray's ids for it are right, an empty value means no GPU at all.
+    assert engine_device_env({"CUDA_VISIBLE_DEVICES": ""}, 1) == {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -174,6 +174,26 @@ class PromptGeneration:
         return rollouts_of(self.tokenizer, prompts, prompt_ids, n, extensions)
 
 
+def tp_engine_env(own_bundles: Sequence[int], per_worker_gpus: float) -> dict[str, str]:
+    """The environment of a tensor-parallel engine actor (num_gpus=0; its vLLM Ray workers, one per bundle of
+    `own_bundles`, take `per_worker_gpus` each). Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a zero-GPU actor
+    (ray/_private/utils.py set_visible_accelerator_ids, line 284: RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO defaults to
+    False), but up to 2.55 it set it to "" and a cluster may still ask for that with the variable; vLLM then finds no
+    CUDA and refuses to start. The actor asks Ray not to, and clears an empty value itself (engine_device_env)."""
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, own_bundles)),
+            "VLLM_RAY_PER_WORKER_GPUS": str(per_worker_gpus),
+            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+
+
+def engine_device_env(environ: Mapping[str, str], tensor_parallel_size: int) -> dict[str, str | None]:
+    """Changes to an engine actor's environment before vLLM starts ({name: value, None to remove}): a
+    tensor-parallel engine that Ray gave an empty CUDA_VISIBLE_DEVICES (a zero-GPU actor under Ray's old override)
+    drops the variable, as OpenRLHF's engine actor does, so that it and its workers see the node's GPUs."""
+    if tensor_parallel_size > 1 and environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return {"CUDA_VISIBLE_DEVICES": None}
+    return {}
+
+
 class VLLMEngine(PromptGeneration):
     """vLLM `LLM` with the engine core in this process (TP 1) or Ray workers in the placement group (TP > 1)."""
 
@@ -184,6 +204,11 @@ class VLLMEngine(PromptGeneration):
         silence_known_noise()
         # vLLM reads these when the engine starts, so they are set before it is imported.
         os.environ.update(VLLM_ENV)
+        for name, value in engine_device_env(os.environ, tensor_parallel_size).items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if not use_gpu:
             os.environ.update(VLLM_CPU_ENV)
         from vllm import LLM
@@ -529,9 +554,7 @@ def create_rollout_engines(
         if backend == "vllm":
             if tp > 1:
                 # vLLM's Ray workers, one per bundle, hold the GPUs; the engine actor only drives them.
-                worker_env = {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, own_bundles)),
-                              "VLLM_RAY_PER_WORKER_GPUS": str(num_gpus)}
-                options.update(num_gpus=0, runtime_env={"env_vars": worker_env})
+                options.update(num_gpus=0, runtime_env={"env_vars": tp_engine_env(own_bundles, num_gpus)})
             actor = ray.remote(VLLMEngine).options(**options).remote(
                 model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
                 enable_sleep=enable_sleep, seed=seed + i, dtype=dtype, max_model_len=max_model_len, use_gpu=use_gpu,
