@@ -403,11 +403,13 @@ def memory_plan(config: PipelineConfig, stage: str, wiring: dict[str, dict[str, 
     unknown = [role for role in cfg.role_ranks() if role not in shapes]
     if unknown and cfg.colocate_all_models:  # a shared peak without some of the models would understate it
         return render(groups, gpu_bytes)[:-1] + [f"    peak not estimated: no shape for {', '.join(unknown)}"]
-    for where, members, peak in groups:
-        if peak > gpu_bytes:
+    for group in groups:
+        too_big = {phase: total for phase, total in group.phases.items() if total > gpu_bytes}
+        if too_big:
             problems.append(
-                f"{stage}: the GPUs {where} need about {peak / GIB:.1f} GiB each "
-                f"({', '.join(f'{m.role} {m.working / GIB:.1f}' for m in members)}), more than the "
+                f"{stage}: the GPUs {group.where} need about {group.peak / GIB:.1f} GiB each in the "
+                f"{group.peak_phase} phase (over {settings.gpu_memory_gib:g} GiB also in: "
+                f"{', '.join(f'{phase} {total / GIB:.1f}' for phase, total in too_big.items())}), more than the "
                 f"{settings.gpu_memory_gib:g} GiB of a GPU (RLHF_GPU_MEMORY_GIB): raise --zero_stage, set "
                 "--adam_offload, --gradient_checkpointing or the sleep flags, lower the micro-batch sizes")
     return render(groups, gpu_bytes)

@@ -27,7 +27,7 @@ from pipeline.config import (
 )
 from pipeline.gate import check_gate
 from pipeline.identity import stage_identity
-from pipeline.memory import GIB, ModelShape, frozen_memory, rl_memory, trained_memory
+from pipeline.memory import CONTEXT_BYTES, GIB, ModelShape, frozen_memory, rl_memory, trained_memory
 from pipeline.plan import ClusterResources, _check_fit, ray_request
 from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
 from stages.cli import parse_stage_args
@@ -235,25 +235,26 @@ def test_the_parameter_count_comes_from_the_config():
 def test_memory_of_a_trained_and_a_frozen_model_worked_numbers():
     """N = 1e9 in bf16 over 8 ranks: ZeRO-3 partitions weights (2e9 / 8), gradients (2e9 / 8) and Adam (12e9 / 8);
     ZeRO-2 keeps the weights whole; --adam_offload keeps Adam on the host. Activations of 2 × 50 tokens, h = 1000,
-    L = 10, V = 100, checkpointed: 10 × 100 × 1000 × 2 + one layer 17 × 100 × 1000 × 2 = 5.4e6, logits 100 × 100 × 6."""
+    L = 10, V = 100, checkpointed: 10 × 100 × 1000 × 2 and one layer 17 × 100 × 1000 × 2 = 3.4e6 (larger than the
+    logits, tests/test_memory.py has those)."""
     shape = ModelShape(params=10**9, hidden=1000, layers=10, vocab=100)
     common = dict(ranks=8, bf16=True, lora=False, tokens=2 * 50, with_logits=True)
     zero3 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True, **common)
     assert (zero3.weights, zero3.gradients, zero3.optimizer) == (2.5e8, 2.5e8, 1.5e9)
-    assert zero3.activations == 5.4e6 + 6e4
+    assert (zero3.checkpoints, zero3.layer) == (2e6, 3.4e6)
     zero2 = trained_memory("actor", shape, zero_stage=2, adam_offload=True, gradient_checkpointing=False, **common)
     assert (zero2.weights, zero2.gradients, zero2.optimizer) == (2e9, 2.5e8, 0.0)
-    assert zero2.activations == 10 * 17 * 100 * 1000 * 2 + 6e4  # every layer kept whole
+    assert zero2.activations == 10 * 17 * 100 * 1000 * 2 + zero2.logits  # every layer kept whole, then the logits
     frozen = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, tokens=2 * 50, with_logits=True)
     assert (frozen.weights, frozen.gradients, frozen.optimizer) == (2.5e8, 0.0, 0.0)
     # --ref_reward_offload: the partitions in host memory, one layer (1e9 / 10 parameters) gathered at a time.
     offloaded = frozen_memory("ref", shape, ranks=8, zero_stage=3, bf16=True, tokens=2 * 50, with_logits=True,
                               offloaded=True)
-    assert offloaded.weights == 2e8 and offloaded.activations == frozen.activations
-    # fp32: 4-byte activations (10.8e6), logits 100 × 100 × (4 + 4).
+    assert offloaded.weights == 2e8 and offloaded.activations == frozen.activations - frozen.gathered
+    # fp32: 4-byte activations.
     fp32 = trained_memory("actor", shape, zero_stage=3, adam_offload=False, gradient_checkpointing=True,
                           **{**common, "bf16": False})
-    assert fp32.activations == 10.8e6 + 8e4
+    assert (fp32.checkpoints, fp32.layer) == (4e6, 6.8e6)
 
 
 def test_4bit_weights_worked_numbers():
@@ -271,35 +272,38 @@ def test_4bit_weights_worked_numbers():
 
 
 def test_colocated_models_peak_at_their_largest_phase_and_sleep_frees_the_rest():
-    """llama3-8b's RL (everything on the 8 GPUs, ZeRO-3, both sleep modes): the peak is generation, the engines'
-    40 GiB plus the frozen models' weights; without the sleep modes every model's states stay resident."""
+    """llama3-8b's RL (everything on the 8 GPUs, ZeRO-3, both sleep modes): the peak is start-up, the engines awake
+    while every model loads and builds; without the sleep modes every model's states stay resident."""
     cfg = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b"], require_inputs=False)
     shape = ModelShape.from_config(LLAMA3_8B)
     shapes = {role: shape for role in ("actor", "critic", "ref", "reward")}
-    [(where, members, peak)] = rl_memory(cfg, shapes, 80 * GIB)
-    weights = 2 * shape.params / 8
-    assert where == "shared by every model" and peak == pytest.approx(40 * GIB + 2 * weights)
+    [group] = rl_memory(cfg, shapes, 80 * GIB)
+    role = {m.role: m for m in group.members}
+    assert group.where == "shared by every model" and group.peak_phase == "start-up"
+    assert group.peak == pytest.approx(40 * GIB + role["actor"].states + role["critic"].states + role["ref"].weights
+                                       + role["reward"].weights + 2 * CONTEXT_BYTES)
     awake = cfg.model_copy(update={"vllm_enable_sleep": False, "deepspeed_enable_sleep": False})
-    [(_, members, awake_peak)] = rl_memory(awake, shapes, 80 * GIB)
-    role = {m.role: m for m in members}
-    # Awake, the largest phase is the reference's forward (logits of 16 × 2048 tokens) with all else resident.
-    assert awake_peak == pytest.approx(role["ref"].working + role["actor"].states + role["critic"].states
-                                       + role["reward"].states + 40 * GIB)
+    [awake_group] = rl_memory(awake, shapes, 80 * GIB)
+    role = {m.role: m for m in awake_group.members}
+    # Awake, the actor's training turn has every model's states and the engines beside its working memory.
+    assert awake_group.peak_phase == "actor training"
+    assert awake_group.peak == pytest.approx(role["actor"].working + role["critic"].states + role["ref"].states
+                                             + role["reward"].states + 40 * GIB + 2 * CONTEXT_BYTES)
     # --use_dynamic_batch: micro-batches of at most 8192 tokens instead of 16 full-length (2048-token) sequences.
     dynamic = awake.model_copy(update={"use_dynamic_batch": True, "train_max_tokens_per_gpu": 8192})
-    [(_, dynamic_members, _)] = rl_memory(dynamic, shapes, 80 * GIB)
-    ref = {m.role: m for m in dynamic_members}["ref"]
-    assert ref.activations == pytest.approx(role["ref"].activations * 8192 / (16 * 2048))
+    [dynamic_group] = rl_memory(dynamic, shapes, 80 * GIB)
+    ref = {m.role: m for m in dynamic_group.members}["ref"]
+    assert ref.layer == pytest.approx(role["ref"].layer * 8192 / (16 * 2048))
     # --ring_attn_size 4: each rank of a ring runs a quarter of a micro-batch's tokens.
     ring = awake.model_copy(update={"ring_attn_size": 4, "packing_samples": True})
-    [(_, ring_members, _)] = rl_memory(ring, shapes, 80 * GIB)
-    ring_role = {m.role: m for m in ring_members}
-    assert ring_role["actor"].activations == pytest.approx(role["actor"].activations / 4)
+    [ring_group] = rl_memory(ring, shapes, 80 * GIB)
+    ring_role = {m.role: m for m in ring_group.members}
+    assert ring_role["actor"].checkpoints == pytest.approx(role["actor"].checkpoints / 4)
     assert ring_role["actor"].states == role["actor"].states
     apart = cfg.model_copy(update={"colocate_all_models": False, "vllm_enable_sleep": False,
                                    "deepspeed_enable_sleep": False})
-    assert [where for where, _, _ in rl_memory(apart, shapes, 80 * GIB)] == ["actor", "ref", "critic", "reward",
-                                                                              "engines"]  # each on GPUs of its own
+    assert [g.where for g in rl_memory(apart, shapes, 80 * GIB)] == ["actor", "ref", "critic", "reward",
+                                                                      "engines"]  # each on GPUs of its own
 
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)
@@ -323,10 +327,13 @@ def test_plan_of_a_gpu_preset_in_seconds(preset, tmp_path):
     assert "plan OK" in out and seconds < 60
     # The per-GPU memory table of the RL stage, every role estimated from its model's config.json.
     table = out.split("memory per GPU (GiB, of 80", 1)[1].split("python -m stages.rl", 1)[0]
-    roles = ("actor", "critic", "ref", "reward", "engines") if preset == "llama3-8b" else ("actor", "ref", "engines")
+    roles = (("actor", "critic", "ref", "reward", "actor.fwd", "critic.fwd", "engines") if preset == "llama3-8b"
+             else ("actor", "ref", "actor.fwd", "engines"))
     assert [line.split()[0] for line in table.splitlines()[2:2 + len(roles)]] == list(roles), table
-    peak = {"llama3-8b": "43.7", "llama3-8b-grpo": "41.9"}[preset]  # generation: engines + frozen weights
-    assert f"peak on the GPUs shared by every model: {peak}" in table, table
+    # start-up: the engines awake (40) while the trained models' whole states and the frozen weights are built
+    peak = {"llama3-8b": "77.5", "llama3-8b-grpo": "59.8"}[preset]
+    assert f"peak on the GPUs shared by every model: {peak} (start-up)" in table, table
+    assert "phase start-up" in table and "phase generation" in table
     assert "no memory estimate" not in out
 
 
