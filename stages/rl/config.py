@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from stages.config import (
-    PARAMETERS_IN_HOST_MEMORY, OutputPath, PolicyPath, PromptConfig, RouterBalancing, ScorerPath, TrainingConfig,
+    PARAMETERS_IN_HOST_MEMORY, OutputPath, PolicyPath, PromptConfig, RouterBalancing, ScorerPath, StrictModel,
+    TrainingConfig,
     ckpt_path_field, eval_split_field, max_samples_field, micro_train_batch_size_field, mixture_probs_field,
     parse_probabilities,
 )
@@ -18,30 +19,9 @@ AdvantageEstimator = Literal[ADVANTAGE_ESTIMATORS]  # type: ignore[valid-type]
 KLEstimator = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
 
 
-class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
-    """Online RL (PPO, GRPO, RLOO, REINFORCE++ ...) with Ray roles: `python -m stages.rl` (OpenRLHF's train_ppo_ray)."""
-
-    stage = "rl"
-    trains_policy = True
-    tiny_rows = "prompts"
-    tiny_assets = {"pretrain": "model", "prompt_data": "prompts_train", "remote_rm_url": "rule_reward"}
-    rank_flags = "*_num_nodes × *_num_gpus_per_node, vllm_num_engines × vllm_tensor_parallel_size"
-
-    pretrain: PolicyPath = Field(None, description="initial actor (policy)")
-    ref_pretrain: PolicyPath = Field(None, description="frozen reference model for the KL term; unset: --pretrain")
-    critic_pretrain: ScorerPath = Field(
-        None, description="initial critic for gae; unset: --reward_pretrain, or --pretrain with --remote_rm_url",
-    )
-    ckpt_path: OutputPath = ckpt_path_field("./ckpt/checkpoints_ppo_ray")
-    prompt_data_probs: str | None = mixture_probs_field("prompt_data")
-    eval_split: Annotated[str, NOT_TRAINING] = eval_split_field("train")
-    max_len: int | None = Field(
-        None, ge=2,
-        description="prompt + response token budget: each response stops at max_len - prompt length (and at "
-        "--generate_max_len); unset: --prompt_max_len + --generate_max_len",
-    )
-    max_samples: Annotated[int, RUN_OVERRIDE] = max_samples_field(100_000_000)
-    micro_train_batch_size: int = micro_train_batch_size_field(4)
+class RLPlacement(StrictModel):
+    """Where the RL models and the rollout engines run (OpenRLHF's placement flags): ranks per model, colocation,
+    GPU sleep between phases, the weight sync to the engines."""
 
     actor_num_nodes: int = Field(1, ge=1, description="nodes for the actor")
     actor_num_gpus_per_node: int = Field(8, ge=1, description="ranks per node for the actor")
@@ -78,6 +58,11 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
         "a time), never the whole model at once",
     )
 
+
+class RolloutSettings(StrictModel):
+    """What a rollout is: prompts and samples per step, sampling, which groups are kept, and how its sequences are
+    batched for the forwards."""
+
     num_episodes: Annotated[int, RUN_OVERRIDE] = Field(1, ge=1, description="passes over the prompt dataset")
     rollout_batch_size: int = Field(
         1024, ge=1, description="prompts per rollout (each sampled --n_samples_per_prompt times)",
@@ -89,9 +74,44 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     )
     temperature: float = Field(1.0, ge=0, description="sampling temperature of rollouts (must be > 0)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling probability mass of rollouts")
+    dynamic_filtering: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop prompt groups whose mean score lies outside "
+        "--dynamic_filtering_reward_range (no learning signal) and sample further prompts until the rollout is full",
+    )
+    dynamic_filtering_reward_range: tuple[float, float] = Field(
+        (0.0, 1.0), description="a group is kept when low < mean score of its samples < high",
+    )
+    vllm_generate_batch_size: int | None = Field(
+        None, ge=1,
+        description="prompts per generate call when a rollout needs new samples; above --rollout_batch_size "
+        "(needs --async_train) the extra groups are kept for the following steps; unset: --rollout_batch_size",
+    )
+    use_dynamic_batch: bool = Field(
+        False,
+        description="micro-batches by token budget instead of by count (OpenRLHF's meaning): each rank's sequences "
+        "are balanced over as few micro-batches of --train_max_tokens_per_gpu tokens (training) or "
+        "--rollout_max_tokens_per_gpu (log-probs, values, rewards) as the rank needing most takes; "
+        "--micro_train_batch_size and --micro_rollout_batch_size are then unused. Best with --packing_samples",
+    )
+    train_max_tokens_per_gpu: int = Field(
+        16192, ge=1,
+        description="--use_dynamic_batch: tokens (prompt + response) per training micro-batch on one rank; a longer "
+        "sequence gets a micro-batch of its own",
+    )
+    rollout_max_tokens_per_gpu: int | None = Field(
+        None, ge=1,
+        description="--use_dynamic_batch: tokens per micro-batch of the experience forwards (log-probs, values, "
+        "rewards) on one rank; unset: --train_max_tokens_per_gpu",
+    )
+
+
+class AlgorithmSettings(StrictModel):
+    """The RL algorithm: learning rates, advantage estimator, reward shaping, KL, the policy and value losses
+    (stages/rl/algorithms.py)."""
+
     actor_learning_rate: float = Field(1e-6, gt=0, description="peak learning rate of the actor")
     critic_learning_rate: float = Field(9e-6, gt=0, description="peak learning rate of the critic (gae only)")
-
     advantage_estimator: AdvantageEstimator = Field(
         "gae",
         description="gae (PPO, needs a critic), reinforce (REINFORCE++), reinforce_baseline, rloo, "
@@ -143,14 +163,15 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     freezing_actor_steps: int = Field(
         -1, ge=-1, description="train only the critic for the first N steps (critic warm-up, gae); -1 = never",
     )
-    dynamic_filtering: bool = Field(
-        False,
-        description="DAPO dynamic sampling: drop prompt groups whose mean score lies outside "
-        "--dynamic_filtering_reward_range (no learning signal) and sample further prompts until the rollout is full",
-    )
-    dynamic_filtering_reward_range: tuple[float, float] = Field(
-        (0.0, 1.0), description="a group is kept when low < mean score of its samples < high",
-    )
+    value_clip: float = Field(0.5, gt=0, description="critic value clip range")
+    gamma: float = Field(1.0, gt=0, le=1, description="discount factor")
+    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+
+
+class AsyncSettings(StrictModel):
+    """Off-policy training: rollouts produced ahead of training (--async_train), partial rollouts, and the
+    correction for the engines' sampling distribution."""
+
     async_train: bool = Field(
         False,
         description="generate the next rollouts while the actor trains on the current ones (OpenRLHF's async "
@@ -170,11 +191,6 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     partial_rollout_segment_len: int = Field(
         64, ge=1, description="--partial_rollout: tokens generated per response between two chances of a weight update",
     )
-    vllm_generate_batch_size: int | None = Field(
-        None, ge=1,
-        description="prompts per generate call when a rollout needs new samples; above --rollout_batch_size "
-        "(needs --async_train) the extra groups are kept for the following steps; unset: --rollout_batch_size",
-    )
     enable_vllm_is_correction: bool = Field(
         False,
         description="off-policy correction: weigh each token's policy loss by the ratio of the trainer's probability "
@@ -189,23 +205,11 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     vllm_is_truncated_threshold: tuple[float, float] = Field(
         (0.5, 5.0), description="low and high bounds of the importance ratio (--enable_vllm_is_correction)",
     )
-    use_dynamic_batch: bool = Field(
-        False,
-        description="micro-batches by token budget instead of by count (OpenRLHF's meaning): each rank's sequences "
-        "are balanced over as few micro-batches of --train_max_tokens_per_gpu tokens (training) or "
-        "--rollout_max_tokens_per_gpu (log-probs, values, rewards) as the rank needing most takes; "
-        "--micro_train_batch_size and --micro_rollout_batch_size are then unused. Best with --packing_samples",
-    )
-    train_max_tokens_per_gpu: int = Field(
-        16192, ge=1,
-        description="--use_dynamic_batch: tokens (prompt + response) per training micro-batch on one rank; a longer "
-        "sequence gets a micro-batch of its own",
-    )
-    rollout_max_tokens_per_gpu: int | None = Field(
-        None, ge=1,
-        description="--use_dynamic_batch: tokens per micro-batch of the experience forwards (log-probs, values, "
-        "rewards) on one rank; unset: --train_max_tokens_per_gpu",
-    )
+
+
+class OutputGuards(StrictModel):
+    """What the run keeps and watches: the best checkpoint, drift warnings, the EMA of the actor, the critic's export."""
+
     save_best: bool = Field(
         False,
         description="keep the actor with the best held-out greedy reward (evaluated every --eval_steps) and make "
@@ -235,9 +239,33 @@ class RLConfig(RouterBalancing, TrainingConfig, PromptConfig):
     save_value_network: Annotated[bool, NOT_TRAINING] = Field(
         False, description="also export the trained critic (gae) as an HF value model to <save_path>_critic",
     )
-    value_clip: float = Field(0.5, gt=0, description="critic value clip range")
-    gamma: float = Field(1.0, gt=0, le=1, description="discount factor")
-    lambd: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+
+
+class RLConfig(RolloutSettings, AlgorithmSettings, AsyncSettings, RLPlacement, OutputGuards, RouterBalancing,
+               TrainingConfig, PromptConfig):
+    """Online RL (PPO, GRPO, RLOO, REINFORCE++ ...) with Ray roles: `python -m stages.rl` (OpenRLHF's train_ppo_ray)."""
+
+    stage = "rl"
+    trains_policy = True
+    tiny_rows = "prompts"
+    tiny_assets = {"pretrain": "model", "prompt_data": "prompts_train", "remote_rm_url": "rule_reward"}
+    rank_flags = "*_num_nodes × *_num_gpus_per_node, vllm_num_engines × vllm_tensor_parallel_size"
+
+    pretrain: PolicyPath = Field(None, description="initial actor (policy)")
+    ref_pretrain: PolicyPath = Field(None, description="frozen reference model for the KL term; unset: --pretrain")
+    critic_pretrain: ScorerPath = Field(
+        None, description="initial critic for gae; unset: --reward_pretrain, or --pretrain with --remote_rm_url",
+    )
+    ckpt_path: OutputPath = ckpt_path_field("./ckpt/checkpoints_ppo_ray")
+    prompt_data_probs: str | None = mixture_probs_field("prompt_data")
+    eval_split: Annotated[str, NOT_TRAINING] = eval_split_field("train")
+    max_len: int | None = Field(
+        None, ge=2,
+        description="prompt + response token budget: each response stops at max_len - prompt length (and at "
+        "--generate_max_len); unset: --prompt_max_len + --generate_max_len",
+    )
+    max_samples: Annotated[int, RUN_OVERRIDE] = max_samples_field(100_000_000)
+    micro_train_batch_size: int = micro_train_batch_size_field(4)
 
     @property
     def total_len(self) -> int:
