@@ -38,9 +38,9 @@ logits exist after the last layer and are gone before the backward recomputes th
 checkpoints plus the larger of one layer and the logits.
 
 Per GPU and per phase (rl_memory): with --colocate_all_models every model shares the same GPUs and the phases take
-turns (stages/placement.py): start-up (stages/rl/driver.py Roles: the engines are created and awake while every
-model loads and builds; the trained models' states go to host memory with --deepspeed_enable_sleep only once
-started, driver.offload_trained_states), generation, then each model's forward or training turn; each phase is its
+turns (stages/placement.py): start-up (every model loads and builds, the trained models' states go to host memory
+with --deepspeed_enable_sleep only once started, driver.offload_trained_states; with --vllm_enable_sleep the engines
+started first and sleep meanwhile, stages/placement.py startup_order, else they are awake), generation, then each model's forward or training turn; each phase is its
 own working memory plus what stays resident (a trained model asleep keeps its bf16 weights: offload_states leaves
 lp_params on the GPU, stages/rl/actor.py). Every process on a GPU adds its CUDA context (CONTEXT_BYTES). Estimates,
 not measurements: allocator fragmentation comes on top.
@@ -49,6 +49,8 @@ not measurements: allocator fragmentation comes on top.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from stages.placement import startup_order
 
 GIB = 2**30
 # Architectures whose MLP has three matrices (gate, up, down) rather than two.
@@ -313,9 +315,11 @@ def colocated_phases(cfg, roles: dict[str, RoleMemory], forwards: dict[str, Role
     def others(except_role: str) -> float:
         return sum(resident(name) for name in roles if name != except_role)
 
-    # Start-up: the engines awake while every model loads and builds, the trained models' whole states on the GPUs
-    # until driver.offload_trained_states.
-    phases = {"start-up": awake + sum(memory.states for memory in roles.values()) + contexts,
+    # Start-up: every model loads and builds, the trained models' whole states on the GPUs until
+    # driver.offload_trained_states, beside the engines: asleep already where they start first (startup_order),
+    # else awake.
+    at_startup = asleep if startup_order(cfg, "cuda")[0] == "engines" else awake
+    phases = {"start-up": at_startup + sum(memory.states for memory in roles.values()) + contexts,
               "generation": awake + others("") + contexts}
     for name, memory in forwards.items():
         phases[f"{name} forward"] = memory.working + others(name) + asleep + contexts

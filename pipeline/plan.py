@@ -406,12 +406,15 @@ def memory_plan(config: PipelineConfig, stage: str, wiring: dict[str, dict[str, 
     for group in groups:
         too_big = {phase: total for phase, total in group.phases.items() if total > gpu_bytes}
         if too_big:
+            also = {phase: total for phase, total in too_big.items() if phase != group.peak_phase}
             problems.append(
                 f"{stage}: the GPUs {group.where} need about {group.peak / GIB:.1f} GiB each in the "
-                f"{group.peak_phase} phase (over {settings.gpu_memory_gib:g} GiB also in: "
-                f"{', '.join(f'{phase} {total / GIB:.1f}' for phase, total in too_big.items())}), more than the "
-                f"{settings.gpu_memory_gib:g} GiB of a GPU (RLHF_GPU_MEMORY_GIB): raise --zero_stage, set "
-                "--adam_offload, --gradient_checkpointing or the sleep flags, lower the micro-batch sizes")
+                f"{group.peak_phase} phase"
+                + (f" (also over {settings.gpu_memory_gib:g} GiB: "
+                   f"{', '.join(f'{phase} {total / GIB:.1f}' for phase, total in also.items())})" if also else "")
+                + f", more than the {settings.gpu_memory_gib:g} GiB of a GPU (RLHF_GPU_MEMORY_GIB): raise "
+                "--zero_stage, set --adam_offload, --gradient_checkpointing or the sleep flags, lower the micro-batch "
+                "sizes")
     return render(groups, gpu_bytes)
 
 

@@ -56,6 +56,16 @@ def models_take_turns(cfg, device: str) -> bool:
     return device == "cpu" or cfg.colocate_all_models
 
 
+def startup_order(cfg, device: str) -> tuple[str, ...]:
+    """How the engines and the models start. With --vllm_enable_sleep and --colocate_all_models on GPUs the engines
+    come first, and sleep before any model loads on their GPUs (as OpenRLHF): vLLM profiles the GPU's free memory
+    at start-up, asserts that no co-tenant frees memory meanwhile and would count the models' growth as its own.
+    Otherwise both start at once, which saves start-up time."""
+    if cfg.vllm_enable_sleep and cfg.colocate_all_models and device == "cuda":
+        return ("engines", "engines asleep", "models")
+    return ("engines and models",)
+
+
 def engine_bundles(cfg) -> int:
     return cfg.vllm_num_engines * cfg.vllm_tensor_parallel_size
 

@@ -135,20 +135,26 @@ def test_phases_of_the_shared_gpus_worked_numbers():
     role = {m.role: m for m in group.members}
     assert role["actor"].states == role["critic"].states == 2.5e8 + 2.5e8 + 1.5e9 + 1e9
     contexts = 2 * CONTEXT_BYTES
-    assert group.phases["start-up"] == 40 * GIB + 2 * 3e9 + 2 * 2.5e8 + contexts
+    # The engines started first and sleep while every model loads (stages/placement.py startup_order).
+    assert group.phases["start-up"] == ASLEEP_ENGINE_BYTES + 2 * 3e9 + 2 * 2.5e8 + contexts
     assert group.phases["generation"] == 40 * GIB + 4 * 2.5e8 + contexts
     assert group.phases["actor training"] == role["actor"].working + 3 * 2.5e8 + ASLEEP_ENGINE_BYTES + contexts
     assert group.phases["actor forward"] == role["actor.fwd"].working + 3 * 2.5e8 + ASLEEP_ENGINE_BYTES + contexts
-    assert group.peak_phase == "start-up" and group.peak == group.phases["start-up"]
+    assert group.peak_phase == "generation" and group.peak == group.phases["generation"]
     # Without --deepspeed_enable_sleep the trained models' whole states stay in every phase.
     awake = cfg.model_copy(update={"deepspeed_enable_sleep": False})
     [awake_group] = rl_memory(awake, {role: SMALL for role in ("actor", "critic", "ref", "reward")}, 80 * GIB)
     assert awake_group.phases["generation"] == 40 * GIB + 2 * 3e9 + 2 * 2.5e8 + contexts
+    # Engines that do not sleep start beside the models: awake while every model loads.
+    awake_engines = cfg.model_copy(update={"vllm_enable_sleep": False})
+    [awake_group] = rl_memory(awake_engines, {role: SMALL for role in ("actor", "critic", "ref", "reward")}, 80 * GIB)
+    assert awake_group.phases["start-up"] == 40 * GIB + 2 * 3e9 + 2 * 2.5e8 + contexts
 
 
 def test_the_plan_refuses_a_preset_that_does_not_fit_naming_the_phase(monkeypatch):
-    """llama3-8b on GPUs of 70 GiB: start-up needs about 72.5 (the engines 35 at 0.5, the trained models 2 × 15.9, the
-    frozen ones 2 × 1.9, two contexts) and is refused by name; the other phases fit."""
+    """llama3-8b on GPUs of 36 GiB: the actor's training turn needs about 39.4 (its states and working memory, the
+    other models' weights, the asleep engines, two contexts) and is refused by name, start-up (38.5) named too; the
+    engines' share scales with the GPU and fits."""
     from infra.settings import Settings
     from pipeline import plan
     from pipeline.config import load_pipeline_config, shape_inputs
@@ -157,8 +163,9 @@ def test_the_plan_refuses_a_preset_that_does_not_fit_naming_the_phase(monkeypatc
     monkeypatch.setattr(plan, "model_shape", lambda source: ModelShape.from_config(LLAMA3_8B))
     config = load_pipeline_config("llama3-8b")
     problems: list[str] = []
-    table = plan.memory_plan(config, "rl", shape_inputs(config.shape), Settings(gpu_memory_gib=70), problems, [])
-    assert len(problems) == 1 and "in the start-up phase" in problems[0] and "70 GiB" in problems[0], problems
+    table = plan.memory_plan(config, "rl", shape_inputs(config.shape), Settings(gpu_memory_gib=36), problems, [])
+    assert len(problems) == 1 and "in the actor training phase" in problems[0] and "36 GiB" in problems[0], problems
+    assert "(also over 36 GiB: start-up 38.5)" in problems[0]
     assert any(line.strip().startswith("phase start-up") for line in table)
     problems.clear()
     plan.memory_plan(config, "rl", shape_inputs(config.shape), Settings(gpu_memory_gib=80), problems, [])

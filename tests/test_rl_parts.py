@@ -341,3 +341,17 @@ def test_a_tensor_parallel_engine_sees_the_gpus_whatever_ray_sets_for_a_zero_gpu
     assert engine_device_env({"CUDA_VISIBLE_DEVICES": "0,1"}, 2) == {}
     # A TP-1 engine holds its own GPU share: Ray's ids for it are right, an empty value means no GPU at all.
     assert engine_device_env({"CUDA_VISIBLE_DEVICES": ""}, 1) == {}
+
+
+def test_engines_start_and_sleep_before_the_models_load_on_shared_gpus():
+    """The seed's hybrid engine (--colocate_all_models --vllm_enable_sleep): vLLM profiles the GPUs before any model
+    loads there, then sleeps; elsewhere engines and models start at once."""
+    from stages.placement import startup_order
+
+    seed = parse_stage_args(STAGES["rl"], ["--config", "llama3-8b"], require_inputs=False)
+    assert seed.colocate_all_models and seed.vllm_enable_sleep
+    assert startup_order(seed, "cuda") == ("engines", "engines asleep", "models")
+    assert startup_order(seed, "cpu") == ("engines and models",)  # CPU engines keep their memory
+    awake = seed.model_copy(update={"vllm_enable_sleep": False})
+    assert startup_order(awake, "cuda") == ("engines and models",)
+    assert startup_order(rl_config(), "cpu") == ("engines and models",)

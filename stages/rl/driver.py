@@ -39,7 +39,7 @@ from stages.errors import StageInputError
 from stages.launch import note_limits
 from stages.placement import (
     ENGINES, bundle_resources, describe, engine_bundles, group_bundles, models_take_turns, placement_plan,
-    rank_processes,
+    rank_processes, startup_order,
 )
 from stages.rewards import RewardBatch, reward_source_of
 from stages.rl import algorithms as rl_algo
@@ -100,28 +100,17 @@ class Roles:
         actor_per_node = -(-ranks["actor"] // cfg.actor_num_nodes)
         beside_models, beside_engines = ((cfg.vllm_num_engines, actor_per_node) if cfg.async_train else (0, 0))
         self.placement_groups = []
-        self.groups: dict[str, ActorGroup] = {}
+        fractions: dict[str, dict[str, float]] = {}
         engine_options: dict[str, Any] = {}
         for name, members in plan.items():
             group = placement_group([dict(bundle) for _ in range(bundles[name])], strategy="PACK")
             ray.get(group.ready())
             self.placement_groups.append(group)
             share = 1.0 / len(members)
-            fraction = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
+            fractions[name] = dict(num_cpus=bundle["CPU"] * share, num_gpus=share if device == "cuda" else 0.0)
             if ENGINES in members:
                 engine_options = dict(placement_group=group, bundle_indices=list(range(engine_bundles(cfg))),
-                                      **fraction)
-            for hosted in rank_processes(cfg, [role for role in members if role != ENGINES]):
-                role = hosted[0]
-                per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
-                options = dict(placement=Placement(group, **fraction), threads=cpu_threads(per_node + beside_models))
-                if len(hosted) == 1:
-                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role, **options)
-                else:
-                    self.groups.update(ActorGroup.hosted({r: ROLE_WORKERS[r] for r in hosted}, ranks[role], device,
-                                                         **options))
-        for group in self.groups.values():
-            group.ring_size = cfg.ring_attn_size
+                                      **fractions[name])
         self.engines = create_rollout_engines(
             cfg.pretrain, backend=cfg.rollout_backend, num_engines=cfg.vllm_num_engines,
             tensor_parallel_size=cfg.vllm_tensor_parallel_size,
@@ -130,6 +119,25 @@ class Roles:
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching,
             cpu_threads=cpu_threads(cfg.vllm_num_engines + beside_engines), wait=False, **engine_options,
         )
+        order = startup_order(cfg, device)
+        print(f"[rl] start-up: {' -> '.join(order)}", flush=True)
+        if order[0] == "engines":  # up and asleep before any model process exists on their GPUs
+            ray.get([engine.__ray_ready__.remote() for engine in self.engines])
+            self.engines_call("sleep")
+        self.groups: dict[str, ActorGroup] = {}
+        for (name, members), group in zip(plan.items(), self.placement_groups):
+            for hosted in rank_processes(cfg, [role for role in members if role != ENGINES]):
+                role = hosted[0]
+                per_node = -(-ranks[role] // getattr(cfg, f"{role}_num_nodes"))
+                options = dict(placement=Placement(group, **fractions[name]),
+                               threads=cpu_threads(per_node + beside_models))
+                if len(hosted) == 1:
+                    self.groups[role] = ActorGroup(ROLE_WORKERS[role], ranks[role], device, name=role, **options)
+                else:
+                    self.groups.update(ActorGroup.hosted({r: ROLE_WORKERS[r] for r in hosted}, ranks[role], device,
+                                                         **options))
+        for group in self.groups.values():
+            group.ring_size = cfg.ring_attn_size
         self.sequential = models_take_turns(cfg, device)
         self.buckets: list = []
         self.shared_sync = False  # set by open_weight_sync
