@@ -746,3 +746,104 @@ def test_rollout_correction_is_one_where_the_trainer_agrees_with_the_engines():
         weights, affected = rl_algo.rollout_correction(logp, logp.detach(), torch.ones(3, 5), kind, 0.5, 5.0)
         torch.testing.assert_close(weights, torch.ones(3, 5))
         assert float(affected.sum()) == 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Where this project and OpenRLHF (v0.10.1, v0.11.0) differ on purpose: README's table, rows (a)-(f)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_step_loss_is_one_token_mean_over_ragged_micro_batches_as_openrlhf_v0_11():
+    """Four micro-batches of one sequence each, 1, 2, 3 and 4 tokens of losses 4, 3, 2, 1. Here (and OpenRLHF
+    v0.11.0): (4 + 6 + 6 + 4) / 10 = 2.0, every token's gradient 1/10. v0.10.1 averages the micro-batches' own
+    means: (4 + 3 + 2 + 1) / 4 = 2.5, a token's gradient 1/(4 n): 0.25, 0.125, 0.0833, 0.0625."""
+    lengths, values = [1, 2, 3, 4], [4.0, 3.0, 2.0, 1.0]
+    micro = [torch.full((1, n), v, requires_grad=True) for n, v in zip(lengths, values)]
+    step_tokens = float(sum(lengths))
+    loss = sum(algo.aggregate_token_loss(loss_t, torch.ones_like(loss_t), step_tokens) for loss_t in micro)
+    close(loss, 2.0)
+    loss.backward()
+    for loss_t in micro:
+        close(loss_t.grad, torch.full_like(loss_t, 0.1))
+    per_micro_batch_means = sum(algo.masked_mean(t.detach(), torch.ones_like(t)) for t in micro) / len(micro)
+    close(per_micro_batch_means, 2.5)
+
+
+def test_b_masked_tokens_inside_a_response_are_not_steps_of_gae_or_returns():
+    """r = [0, 0, 1], V = [0.5, 0.6, 0.7], mask [1, 0, 1] (an observation between two actions), gamma 1, lambda 0.95.
+    Here the masked token is passed over: A_0 = (0.7 - 0.5) + 0.95 * 0.3 = 0.485. OpenRLHF (v0.10.1 and v0.11.0)
+    zeroes its reward and value and keeps it as a step: A_1 = 0.7 + 0.95 * 0.3 = 0.985, A_0 = (0 - 0.5) + 0.95 *
+    0.985 = 0.43575. Discounted returns (reinforce), gamma 0.5: here [0.5, 0, 1]; OpenRLHF [0.25, 0.5, 1]."""
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
+    mask = torch.tensor([[1, 0, 1]])
+    adv, ret = rl_algo.gae_advantages_and_returns(rewards, values, mask, gamma=1.0, lambd=0.95)
+    close(adv, [[0.485, 0.0, 0.3]])
+    close(ret, [[0.985, 0.0, 1.0]])
+    openrlhf_a0 = (0.0 - 0.5) + 0.95 * ((0.0 + 0.7 - 0.0) + 0.95 * 0.3)
+    assert abs(openrlhf_a0 - 0.43575) < 1e-9
+    close(rl_algo.discounted_returns(rewards, mask, gamma=0.5), [[0.5, 0.0, 1.0]])
+    # With lambda = gamma = 1 the two agree: A_0 = 1 - 0.5 either way.
+    adv, _ = rl_algo.gae_advantages_and_returns(rewards, values, mask, gamma=1.0, lambd=1.0)
+    close(adv[:, 0], [0.5])
+
+
+def test_c_ppo_log_ratio_is_clamped_at_20_as_openrlhf_v0_11():
+    """log-ratio 25 with A = -1: ratio e^20 = 4.85165e8 (v0.10.1: e^25 = 7.2e10, gradient 7.2e10), and no
+    gradient past the clamp; log-ratio 100: finite here and in v0.11.0, inf in v0.10.1."""
+    logp = torch.tensor([0.0, 0.0], requires_grad=True)
+    loss_t, _ = rl_algo.policy_loss(logp, torch.tensor([-25.0, -100.0]), torch.tensor([-1.0, -1.0]))
+    close(loss_t, [math.exp(20.0), math.exp(20.0)], atol=1e3)
+    loss_t.sum().backward()
+    close(logp.grad, [0.0, 0.0])
+    assert torch.isinf(torch.tensor(100.0).exp())  # v0.10.1: exp(100) in float32, the loss inf
+
+
+def test_d_k3_gradient_is_zero_not_nan_far_below_the_clamp():
+    """k3 = exp(-d) - 1 + d reaches the clamp of 10 at d = -2.61: below it the clamped value has no gradient.
+    OpenRLHF (v0.10.1, v0.11.0) computes exp(-d) in float32, inf below d = -88.7, and its gradient there is
+    0 * inf = nan. Here d is clamped to [-20, 20] first: d = -100 gives 10 with gradient 0; d = -3 gives 10 with
+    gradient 0 in both; d = -2 gives e^2 - 3 = 4.389056 with gradient 1 - e^2 = -6.389056 in both."""
+    logp = torch.tensor([-100.0, -3.0, -2.0], requires_grad=True)
+    k3 = rl_algo.compute_kl(logp, torch.zeros(3), "k3")
+    close(k3, [10.0, 10.0, math.exp(2.0) - 3.0])
+    k3.sum().backward()
+    close(logp.grad, [0.0, 0.0, 1.0 - math.exp(2.0)])
+    unclamped = torch.tensor([-100.0], requires_grad=True)
+    ((-unclamped).exp() - 1 + unclamped).clamp(-10, 10).sum().backward()  # OpenRLHF's computation
+    assert torch.isnan(unclamped.grad).all()
+
+
+def test_e_seq_mask_tis_weights_are_capped_at_e20():
+    """Token log-ratios [30, -30] and [100, -100]: geometric mean 1, inside [0.5, 5], both sequences kept (the
+    filter reads the uncapped log-ratios, as OpenRLHF). Weights here e^20 = 4.85165e8 and e^-20; OpenRLHF's
+    (v0.10.1, v0.11.0) e^30 and e^-30, and inf and 0 for the second, whose loss is then inf or nan."""
+    log_ratio = torch.tensor([[30.0, -30.0], [100.0, -100.0]])
+    rollout_logp = torch.full((2, 2), -150.0)
+    weights, affected = rl_algo.rollout_correction(rollout_logp + log_ratio, rollout_logp, torch.ones(2, 2),
+                                                   "seq-mask-tis", 0.5, 5.0)
+    torch.testing.assert_close(weights, torch.tensor([[math.exp(20.0), math.exp(-20.0)]] * 2), rtol=1e-5, atol=0)
+    close(affected, [[0.0, 0.0], [0.0, 0.0]])
+    # The filter on the uncapped log-ratios: [30, -10] has mean 10 (dropped); capped it would be 5, dropped too,
+    # and [30, -18] mean 6 (dropped) where capping would give mean 1, e^1 = 2.7, kept.
+    log_ratio = torch.tensor([[30.0, -18.0]])
+    weights, affected = rl_algo.rollout_correction(-150.0 + log_ratio, torch.full((1, 2), -150.0),
+                                                   torch.ones(1, 2), "seq-mask-tis", 0.5, 5.0)
+    close(weights, [[0.0, 0.0]])
+    close(affected, [[1.0, 1.0]])
+
+
+def test_f_gspo_sequence_mean_skips_sequences_without_action_tokens_as_openrlhf_v0_11():
+    """The gspo worked example with a third sequence that has no action token (an agent episode masked whole):
+    its ratio is exp(0) on no token, it adds 0 and is not counted, so the step loss stays (-1.2 + 0.9048) / 2 =
+    -0.147582 and the gradient 0.452419, as OpenRLHF v0.11.0 (v0.10.1: 0/0, the step's loss is nan)."""
+    old = torch.zeros(3, 2)
+    logp = torch.tensor([[0.1, 0.3], [-0.1, 5.0], [7.0, 7.0]], requires_grad=True)
+    mask = ragged_mask([2, 1, 0], 2)
+    advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [3.0, 3.0]])
+    loss_t, _ = rl_algo.gspo_policy_loss(logp, old, advantages, mask)
+    assert rl_algo.step_sequence_count(mask) == 2
+    loss = rl_algo.aggregate_sequence_loss(loss_t, mask, rl_algo.step_sequence_count(mask))
+    close(loss, -0.147582)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0], [0.452419, 0.0], [0.0, 0.0]])
+    assert rl_algo.step_sequence_count(torch.zeros(2, 3)) == 0

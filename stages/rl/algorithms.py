@@ -325,25 +325,37 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
       tis:          w = clamp(r, low, high), affected where r was clamped;
       icepop:       w = r where low <= r <= high, else 0 (the token is dropped), affected where dropped;
       seq-mask-tis: a sequence whose geometric-mean ratio exp(mean of its log r) lies outside [low, high] is
-                    dropped whole; the others keep w = r unclamped (OpenRLHF's code), affected on dropped ones.
+                    dropped whole (as OpenRLHF); the others keep w = r, unclamped but for a cap at e^20 (OpenRLHF
+                    has none), affected on dropped ones.
     """
     if kind not in IS_CORRECTION_TYPES:
         raise ValueError(f"unknown IS correction {kind!r}: one of {IS_CORRECTION_TYPES}")
-    log_ratio = (old_logp.float() - rollout_logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).detach()
-    ratio = log_ratio.exp()
+    raw_log_ratio = (old_logp.float() - rollout_logp.float()).detach()
+    # Capped at e^20 whatever the kind: tis and icepop thresholds lie far inside, and a seq-mask-tis weight of a
+    # kept sequence stays finite (OpenRLHF's is inf from a log-ratio of 88.7 on).
+    ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     if kind == "tis":
         return ratio.clamp(low, high), ((ratio < low) | (ratio > high)).float() * mask
     if kind == "icepop":
         kept = (ratio >= low) & (ratio <= high)
         return ratio * kept, (~kept).float() * mask
-    sequence_ratio = masked_mean(log_ratio, mask, dim=-1).exp()
+    sequence_ratio = masked_mean(raw_log_ratio, mask, dim=-1).exp()
     kept = ((sequence_ratio >= low) & (sequence_ratio <= high)).float().unsqueeze(-1)
     return ratio * kept, (1.0 - kept).expand_as(ratio) * mask
 
 
+def step_sequence_count(mask: Tensor) -> int:
+    """The sequences of a step that have action tokens, [B, T] -> int: what a sequence mean divides by.
+
+    A sequence without one (an agent episode whose every step is masked) has no loss to average; counting it
+    would shrink the others' weight. OpenRLHF v0.11 counts the same (v0.10.1's gspo loss is nan there)."""
+    return int(mask.bool().any(dim=-1).sum())
+
+
 def aggregate_sequence_loss(loss_t: Tensor, mask: Tensor, num_sequences: float) -> Tensor:
     """Sequence mean: each sequence's token-mean loss, summed, over the ``num_sequences`` of the whole optimizer
-    step (every micro-batch on every rank), so accumulation gives the same gradient however the step is split."""
+    step (every micro-batch on every rank; step_sequence_count: those with action tokens), so accumulation gives
+    the same gradient however the step is split. A sequence without action tokens adds 0."""
     return masked_mean(loss_t, mask, dim=-1).sum() / max(float(num_sequences), 1.0)
 
 

@@ -585,7 +585,8 @@ def _run_updates(cfg: RLConfig, groups: list, jobs: dict, experience: dict[str, 
             for group in groups:
                 keys, kwargs = jobs[id(group)]
                 if "step_sequences" in kwargs:
-                    kwargs = {**kwargs, "step_sequences": len(chunk)}
+                    step_sequences = rl_algo.step_sequence_count(experience["action_mask"][chunk])
+                    kwargs = {**kwargs, "step_sequences": step_sequences}
                 step_batch = {key: experience[key][chunk] for key in keys}
                 pending.append((group, group.run_sharded_async("train_step", group.split(step_batch),
                                                                step_tokens=step_tokens, **kwargs)))
