@@ -293,6 +293,8 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
         ("rl", [*TINY, "--dual_clip", "0.5"], ["invalid value for --dual_clip"]),
         ("rl", [*PPO, "--zero_stage", "0"], ["--deepspeed_enable_sleep", "needs --zero_stage 1, 2 or 3, got "
                                             "--zero_stage 0"]),
+        ("rl", [*PPO, "--adam_offload"], ["--deepspeed_enable_sleep with --adam_offload under --zero_stage 3",
+                                          "drop one of the two flags"]),
         ("rl", [*TINY, "--policy_loss_type", "cispo", "--dual_clip", "3"],
          ["--dual_clip 3.0 bounds PPO's clipped objective: --policy_loss_type cispo has none"]),
         ("sft", [*TINY, "--no_apply_chat_template", "--input_template", "Q: "], ["--input_template 'Q: ' has no {}"]),

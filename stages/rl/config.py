@@ -391,6 +391,11 @@ class RLConfig(RolloutSettings, AlgorithmSettings, AsyncSettings, RLPlacement, O
             problems.append("--deepspeed_enable_sleep moves ZeRO's optimizer states off the GPUs: it needs "
                             "--zero_stage 1, 2 or 3, got --zero_stage 0 (DeepSpeed's ZeRO-0 optimizer has no "
                             "offload_states)")
+        if self.deepspeed_enable_sleep and self.adam_offload and self.zero_stage == 3:
+            # DeepSpeed's ZeRO-3 offload_states takes only FusedAdam's states (runtime/zero/stage3.py asserts it).
+            problems.append("--deepspeed_enable_sleep with --adam_offload under --zero_stage 3: the Adam states live "
+                            "in host memory already (DeepSpeedCPUAdam), and ZeRO-3 can offload only FusedAdam's; "
+                            "drop one of the two flags")
         if self.rollout_backend == "hf" and self.vllm_enable_sleep:
             problems.append("--vllm_enable_sleep needs vLLM engines: not with --rollout_backend hf")
         ranks = self.role_ranks()
