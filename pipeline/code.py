@@ -74,6 +74,24 @@ def entry_module(name: str, root: Path = PROJECT_ROOT) -> str:
     return f"{name}.__main__" if path.name == "__init__.py" and (path.parent / "__main__.py").is_file() else name
 
 
+# Per version of a file (path, modification time, size): the stages' closures share most of their modules.
+_PARSED: dict[tuple, ast.Module] = {}
+_IMPORTED: dict[tuple, set[str]] = {}
+
+
+def _version(path: Path) -> tuple:
+    stat = path.stat()
+    return str(path), stat.st_mtime_ns, stat.st_size
+
+
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of `path`, parsed once per version of the file."""
+    key = _version(path)
+    if key not in _PARSED:
+        _PARSED[key] = ast.parse(path.read_text(), filename=str(path))
+    return _PARSED[key]
+
+
 def module_closure(entry: str, root: Path = PROJECT_ROOT) -> dict[str, ast.Module]:
     """Parsed source of what `python -m entry` runs and of every project module it reaches through imports."""
     entry = entry_module(entry, root)
@@ -85,8 +103,12 @@ def module_closure(entry: str, root: Path = PROJECT_ROOT) -> dict[str, ast.Modul
         name = pending.pop()
         if name in trees or name.split(".")[0] not in packages or module_file(root, name) is None:
             continue
-        trees[name] = ast.parse(module_file(root, name).read_text(), filename=str(module_file(root, name)))
-        pending += imported_modules(root, name, trees[name], entry=name == entry)
+        path = module_file(root, name)
+        trees[name] = parsed(path)
+        key = (*_version(path), name, name == entry, str(root))
+        if key not in _IMPORTED:
+            _IMPORTED[key] = imported_modules(root, name, trees[name], entry=name == entry)
+        pending += _IMPORTED[key]
     return trees
 
 
