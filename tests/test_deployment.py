@@ -59,6 +59,9 @@ from tests.prefect_stack import NIGHTLY, POOL, STAGES, PrefectStack, small_tiny_
 from tests.presets_in_prefect_yaml import regenerated
 from tests.tcp_proxy import TcpProxy
 
+# Operates deployments on a Prefect server, a worker, Ray and a browser: the full suite's tier.
+pytestmark = pytest.mark.slow
+
 OUTAGE_S = 30
 AUDIT_MARKER = "RLHF_TEST_RUN_MARKER"  # every process of the run inherits it; the socket audit looks for it
 ZOMBIE_AFTER_S = 45  # heartbeats come every 30 s (prefect.yaml); the minimum Prefect allows
@@ -648,7 +651,7 @@ def approve_in_browser(browser, run_url: str, comment: str) -> str:
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(run_url)
-    wait = WebDriverWait(browser, 60)
+    wait = WebDriverWait(browser, 120)  # the run page of a loaded 2-core machine can take a minute
     wait.until(ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Resume']"))).click()
     form = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
     text = form.text

@@ -271,6 +271,7 @@ def test_the_rl_models_without_routers_are_refused_when_loaded(assets):
             built(worker_cls, rl_config(assets["model"], COEF))
 
 
+@pytest.mark.slow  # a stage run
 def test_an_sft_run_with_the_aux_loss_logs_it_and_exports_a_loadable_model(assets, moe_model, tmp_path):
     out = tmp_path / "model"
     proc = run_stage("sft", "--pretrain", moe_model, "--dataset", assets["sft_train"], "--aux_loss_coef", COEF,
@@ -287,6 +288,7 @@ def test_an_sft_run_with_the_aux_loss_logs_it_and_exports_a_loadable_model(asset
     assert exported.generate(prompt, min_new_tokens=3, max_new_tokens=3, do_sample=False).shape == (1, prompt.shape[1] + 3)
 
 
+@pytest.mark.slow  # a stage run
 def test_an_sft_run_on_a_dense_model_with_the_flag_stops_before_training(assets, tmp_path):
     proc = run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--aux_loss_coef", COEF,
                      "--max_samples", 64, "--save_path", tmp_path / "model", "--ckpt_path", tmp_path / "ckpt",

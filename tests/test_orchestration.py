@@ -43,6 +43,9 @@ from pipeline.identity import StageResult, resolve_config, stage_code_version, s
 from tasks.run_stage import StageConfigError, StageError, StageTimeout, stage_task, submission_id
 from tcp_proxy import TcpProxy
 
+# Runs flows on a Prefect server and stage jobs on Ray: the full suite's tier.
+pytestmark = pytest.mark.slow
+
 PIPELINE = "toy-pipe"
 
 

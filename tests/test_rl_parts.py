@@ -288,9 +288,10 @@ def test_on_gpus_deepspeed_builds_the_optimizer_from_its_config_fused_adam_that_
 
     from stages import engine as ds
 
-    argv = ["--config", "tiny", "--colocate_all_models", "--deepspeed_enable_sleep", "--zero_stage", "3",
-            "--adam_betas", "0.9", "0.95", "--l2", "0.01", "--pretrain", "m", "--prompt_data", "p.jsonl",
-            "--remote_rm_url", "r.py"] + (["--adam_offload"] if adam_offload else [])
+    # --adam_offload goes without --deepspeed_enable_sleep under ZeRO-3 (refused together: tests/test_config.py).
+    argv = ["--config", "tiny", "--colocate_all_models", "--zero_stage", "3", "--adam_betas", "0.9", "0.95", "--l2",
+            "0.01", "--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "r.py",
+            *(["--adam_offload"] if adam_offload else ["--deepspeed_enable_sleep"])]
     cfg = parse_stage_args(STAGES["rl"], argv)
     section = ds.optimizer_section(cfg, learning_rate=5e-7, device="cuda")
     assert section == {"type": "AdamW", "params": {"lr": 5e-7, "betas": [0.9, 0.95], "eps": 1e-8,

@@ -15,7 +15,8 @@ from stages.rl.rollout import create_rollout_engines, encode_prompt, resolve_bac
 from stages.rl.weight_sync import open_group, plan_buckets, send_bucket
 from stages.tiny import build_tiny_model, format_response
 
-pytestmark = pytest.mark.timeout(180)
+# Rollout engines as Ray actors (vLLM and HF): the full suite's tier.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
 ENGINES = ["hf", pytest.param("vllm", marks=needs_vllm)]
 QUESTIONS = ["What is 3 plus 4?", "Add 2 and 5.", "Tom has 1 apples and gets 8 more. How many apples does he have?"]

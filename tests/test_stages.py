@@ -26,6 +26,9 @@ from infra.ray_cluster import free_port
 from faults import rewound_checkpoints
 from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage
 
+# Runs the stage entrypoints (Ray, DeepSpeed, a model trained per test): the full suite's tier.
+pytestmark = pytest.mark.slow
+
 LAUNCHER_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 

@@ -10,6 +10,9 @@ from infra.ray_cluster import LocalRayHead, _ray_executable
 
 from stage_runs import metrics_of, run_stage
 
+# A two-node Ray cluster running an RL stage: the full suite's tier.
+pytestmark = pytest.mark.slow
+
 ALL_INTERFACES = "0.0.0.0"
 
 
