@@ -36,7 +36,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -58,9 +58,18 @@ class RayClusterError(RuntimeError):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0 and read what the kernel gave)."""
-    with closing(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago: all bound at once, since the kernel may hand the
+    same port to two binds in a row once the first socket is closed."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(closing(socket.socket(
+            socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM))) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def set_auth_mode(mode: str) -> None:
@@ -176,6 +185,28 @@ def _stop_process_group(pid: int, popen: subprocess.Popen | None, timeout_s: flo
             pass
 
 
+@dataclass(frozen=True)
+class HeadPorts:
+    """The ports a head's servers listen on, all distinct (Ray refuses a start where two components share one)."""
+
+    gcs: int
+    dashboard: int
+    client_server: int
+    dashboard_agent_http: int
+    dashboard_agent_grpc: int
+    runtime_env_agent: int
+    metrics_export: int
+
+    @classmethod
+    def pick(cls, host: str) -> HeadPorts:
+        return cls(*free_ports(7, host))
+
+
+# What `ray start` prints when a port we picked was taken before its server bound it; another pick fixes that.
+PORT_CONFLICT_MARKERS = ("is trying to use a port number", "Address already in use", "address already in use")
+START_ATTEMPTS = 3
+
+
 class LocalRayHead:
     """A single-node Ray cluster on this machine, started by us (or adopted) and stopped by us."""
 
@@ -196,7 +227,7 @@ class LocalRayHead:
     def listens_everywhere(self) -> bool:
         return self.bind_host in ALL_INTERFACES
 
-    def command(self, dashboard_port: int, gcs_port: int | None = None) -> list[str]:
+    def command(self, ports: HeadPorts) -> list[str]:
         """`ray start` for this head; every server in it listens on `bind_host`."""
         host = self.bind_host
         # On every interface, Ray picks the node's address itself; a given address is the node's.
@@ -206,13 +237,13 @@ class LocalRayHead:
             *node_ip,
             f"--dashboard-host={host}",
             f"--num-cpus={self.num_cpus}",
-            f"--port={gcs_port or free_port(host)}",
-            f"--dashboard-port={dashboard_port}",
-            f"--ray-client-server-port={free_port(host)}",
-            f"--dashboard-agent-listen-port={free_port(host)}",
-            f"--dashboard-agent-grpc-port={free_port(host)}",
-            f"--runtime-env-agent-port={free_port(host)}",
-            f"--metrics-export-port={free_port(host)}",
+            f"--port={ports.gcs}",
+            f"--dashboard-port={ports.dashboard}",
+            f"--ray-client-server-port={ports.client_server}",
+            f"--dashboard-agent-listen-port={ports.dashboard_agent_http}",
+            f"--dashboard-agent-grpc-port={ports.dashboard_agent_grpc}",
+            f"--runtime-env-agent-port={ports.runtime_env_agent}",
+            f"--metrics-export-port={ports.metrics_export}",
             f"--temp-dir={self._temp_dir}",
             "--disable-usage-stats",
         ]  # fmt: skip
@@ -227,18 +258,27 @@ class LocalRayHead:
         return env
 
     def start(self) -> str:
-        """Start the head and wait until it is `ready`; returns the Jobs API address."""
+        """Start the head and wait until it is `ready`; returns the Jobs API address. A start that lost one of its
+        ports to another process between the pick and the bind is retried on fresh ports."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return self._start_once(HeadPorts.pick(self.bind_host))
+            except RayClusterError as error:
+                if attempt == START_ATTEMPTS or not any(marker in str(error) for marker in PORT_CONFLICT_MARKERS):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, ports: HeadPorts) -> str:
         self._temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_PARENT)
         self._log_path = Path(self._temp_dir) / "ray-start.log"
-        dashboard_port, gcs_port = free_port(self.bind_host), free_port(self.bind_host)
-        command = self.command(dashboard_port, gcs_port)
+        command = self.command(ports)
         with open(self._log_path, "wb") as log:
             self._process = subprocess.Popen(
                 command, env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.pid = self._process.pid
         client_host = "127.0.0.1" if self.listens_everywhere else self.bind_host
-        address = f"http://{_url_host(client_host)}:{dashboard_port}"
+        address = f"http://{_url_host(client_host)}:{ports.dashboard}"
         deadline = time.monotonic() + self.startup_timeout_s
         while not self.ready(address):
             if self._process.poll() is not None or time.monotonic() > deadline:
@@ -247,7 +287,7 @@ class LocalRayHead:
                 raise RayClusterError(f"local Ray head did not start ({' '.join(command)}):\n{log_tail}")
             time.sleep(0.5)
         self.address = address
-        self.gcs_address = f"{_url_host(client_host)}:{gcs_port}"
+        self.gcs_address = f"{_url_host(client_host)}:{ports.gcs}"
         return address
 
     def ready(self, address: str) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from infra.ray_cluster import LocalRayHead
+from infra.ray_cluster import HeadPorts, LocalRayHead
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_TIMEOUT_S = 900
@@ -40,9 +40,9 @@ class DriversOnlyRayHead(LocalRayHead):
     """A local head that drivers join by its GCS address: no dashboard, so no Jobs API, and about half the idle CPU
     of a full head over the session it lives."""
 
-    def command(self, dashboard_port: int, gcs_port: int | None = None) -> list[str]:
+    def command(self, ports: HeadPorts) -> list[str]:
         dashboard_flags = ("--dashboard-host", "--dashboard-port", "--ray-client-server-port")
-        return [part for part in super().command(dashboard_port, gcs_port)
+        return [part for part in super().command(ports)
                 if not part.startswith(dashboard_flags)] + ["--include-dashboard=false"]
 
     def ready(self, address: str) -> bool:

@@ -21,10 +21,12 @@ from flows.server_setup import AUTO_RETRY_MESSAGE
 from infra.ray_cluster import (
     TEMP_PARENT,
     TEMP_PREFIX,
+    HeadPorts,
     HeadRecord,
     LocalRayHead,
     RayClusterError,
     is_own_temp_dir,
+    free_ports,
     job_client,
 )
 from infra.secrets import RedactingStream, Redactor, is_secret_name
@@ -139,13 +141,13 @@ def test_the_local_ray_head_listens_on_loopback_unless_told_otherwise(monkeypatc
     settings = get_settings()
     assert (settings.bind_host, settings.ray_auth_mode) == ("127.0.0.1", "disabled")
     loopback = LocalRayHead(bind_host=settings.bind_host)
-    assert "--node-ip-address=127.0.0.1" in loopback.command(8265)
+    assert "--node-ip-address=127.0.0.1" in loopback.command(HeadPorts.pick("127.0.0.1"))
     assert loopback.environment()["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
 
     monkeypatch.setenv("RLHF_BIND_HOST", "0.0.0.0")  # exposing the head turns token auth on
     assert get_settings().ray_auth_mode == "token"
     exposed = LocalRayHead(bind_host="0.0.0.0", auth_mode="token")
-    assert "--dashboard-host=0.0.0.0" in exposed.command(8265)
+    assert "--dashboard-host=0.0.0.0" in exposed.command(HeadPorts.pick("0.0.0.0"))
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in exposed.environment()
     assert exposed.environment()["RAY_AUTH_MODE"] == "token"
     monkeypatch.setenv("RLHF_RAY_AUTH_MODE", "disabled")  # an open Jobs API on a network: refused
@@ -153,6 +155,30 @@ def test_the_local_ray_head_listens_on_loopback_unless_told_otherwise(monkeypatc
         get_settings()
     monkeypatch.setenv("RLHF_BIND_HOST", "127.0.0.1")
     assert get_settings().ray_auth_mode == "disabled"
+
+
+def test_a_heads_ports_are_distinct_and_a_start_that_lost_one_retries_on_fresh_ports(monkeypatch):
+    for _ in range(50):  # all bound at once: the kernel may hand a closed port to the next bind
+        assert len(set(free_ports(7))) == 7
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = []
+    pick = HeadPorts.pick
+
+    def first_pick_loses_its_gcs_port(host: str) -> HeadPorts:
+        ports = pick(host)
+        if not picks:
+            ports = HeadPorts(taken.getsockname()[1], *free_ports(6, host))
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(HeadPorts, "pick", staticmethod(first_pick_loses_its_gcs_port))
+    try:
+        with LocalRayHead(num_cpus=1) as head:
+            assert len(picks) == 2 and head.gcs_address.endswith(f":{picks[1].gcs}")
+    finally:
+        taken.close()
 
 
 def head_record(temp_dir: Path) -> HeadRecord:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.ray_cluster import LocalRayHead, _ray_executable
+from infra.ray_cluster import HeadPorts, LocalRayHead, _ray_executable
 
 from stage_runs import metrics_of, run_stage
 
@@ -24,7 +24,7 @@ class SecondNode(LocalRayHead):
         super().__init__(num_cpus=1, bind_host=ALL_INTERFACES)
         self.head_gcs = head_gcs
 
-    def command(self, dashboard_port: int, gcs_port: int | None = None) -> list[str]:
+    def command(self, ports: HeadPorts) -> list[str]:
         return [_ray_executable(), "start", "--block", f"--address={self.head_gcs}", "--node-ip-address=127.0.0.2",
                 f"--num-cpus={self.num_cpus}", f"--temp-dir={self._temp_dir}", "--disable-usage-stats"]
 
