@@ -2,14 +2,17 @@
 artifacts, job logs, tracker configs.
 
 Two kinds of redaction, both applied by `Redactor.text`:
-- by value: a variable is secret when its name says so (`*_TOKEN`, `*_SECRET*`, `*_KEY`, `*_PASSWORD*`, `AWS_*`,
-  `RAY_AUTH_TOKEN`, `PREFECT_API_AUTH_STRING`, `*DATABASE_URL`, `*_CONNECTION_URL`); each such variable's value is
-  replaced wherever it appears, so a job that prints its credentials leaves `[redacted AWS_SECRET_ACCESS_KEY]`.
+- by value: a variable is secret when its name says so (`*_TOKEN*`, `*SECRET*`, `*_KEY`, `*_KEY_*`, `*PASSWORD*`,
+  `*PASSWD*`, `*CREDENTIAL*`, `*CONNECTION_STRING*`, `*_DSN`, `AWS_*`, `RAY_AUTH_TOKEN`, `PREFECT_API_AUTH_STRING`,
+  `*DATABASE_URL`, `*_CONNECTION_URL`), or when its value is a URL that carries credentials (`REDIS_URL=redis://:pw@h`);
+  each such variable's value is replaced wherever it appears, so a job that prints its credentials leaves
+  `[redacted AWS_SECRET_ACCESS_KEY]`.
   Values shorter than MIN_SECRET_LENGTH are left alone: `AWS_MAX_ATTEMPTS=3` is no secret, and replacing every "3"
   would make the logs unreadable.
 - by pattern, for secrets no variable of this process holds (a token inside a config value, a credential only the
-  Ray nodes have): the userinfo of URLs (`https://user:pass@host`), credential query parameters (`?token=...`,
-  `&api_key=...`, S3 presigned signatures) and the common token formats (Hugging Face `hf_...`, AWS access key
+  Ray nodes have): the userinfo of URLs (`https://user:pass@host`), credential query parameters (any name holding
+  token, key, secret, password, credential, signature or auth, and OAuth's `code`: `?token=...`, `&api_token=...`,
+  `&client_secret=...`, S3 presigned signatures) and the common token formats (Hugging Face `hf_...`, AWS access key
   ids `AKIA...`/`ASIA...`, `sk-...`, GitHub `ghp_...`, Slack `xox.-...`, GitLab `glpat-...`).
 
 A stage process redacts its own output (`redact_streams`) with its own environment: the secrets of the Ray node
@@ -25,14 +28,14 @@ from collections.abc import Mapping
 from typing import Any
 
 SECRET_NAME = re.compile(r"^(AWS_.*|RAY_AUTH_TOKEN|PREFECT_API_AUTH_STRING|.*DATABASE_URL|.*_CONNECTION_URL|.*_TOKEN"
-                         r"|.*_SECRET.*|.*_KEY|.*_PASSWORD.*|.*_PASSWD.*)$")
+                         r"|.*_TOKEN_.*|.*SECRET.*|.*_KEY|.*_KEY_.*|.*PASSWORD.*|.*PASSWD.*|.*CREDENTIAL.*"
+                         r"|.*CONNECTION_STRING.*|.*_DSN|.*_PWD)$")
 MIN_SECRET_LENGTH = 8
 REDACTED = "[redacted]"
 # user:password@ (or a bare token@) between a URL's scheme and its host
 URL_USERINFO = re.compile(r"(?<=://)[^/\s@?#]+@")
 CREDENTIAL_PARAMETER = re.compile(
-    r"(?i)([?&](?:access_token|api[_-]?key|apikey|auth|key|password|passwd|pwd|secret|sig|signature|token"
-    r"|x-amz-credential|x-amz-security-token|x-amz-signature)=)[^&\s#\"']+"
+    r"(?i)([?&](?:[\w.-]*(?:token|key|secret|passw|pwd|credential|signature|auth)[\w.-]*|sig|code)=)[^&\s#\"']+"
 )
 TOKEN_FORMATS = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
@@ -69,7 +72,7 @@ class Redactor:
     def __init__(self, environ: Mapping[str, str] | None = None):
         environ = os.environ if environ is None else environ
         secrets = {value: name for name, value in environ.items()
-                   if is_secret_name(name) and len(value) >= MIN_SECRET_LENGTH}
+                   if (is_secret_name(name) or url_credentials(value)) and len(value) >= MIN_SECRET_LENGTH}
         # Longest first, so a secret that contains another is replaced whole.
         self._secrets = sorted(secrets.items(), key=lambda item: -len(item[0]))
 

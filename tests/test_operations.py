@@ -106,6 +106,10 @@ TOKENS = {"hf": "hf_" + "Q" * 30, "aws": "AKIA" + "Z" * 16, "openai": "sk-" + "x
     f"http://rm.internal/score?model=a&api_key={CANARY}&x=1",
     f"https://bucket.s3.amazonaws.com/k?X-Amz-Signature={CANARY}&X-Amz-Credential={CANARY}",
     f"urlopen error for 'http://alice:{CANARY}@10.0.0.5/r': [Errno 111] Connection refused",
+    f"http://rm.internal/score?code={CANARY}",
+    f"http://rm.internal/score?api_token={CANARY}&client_secret={CANARY}",
+    f"http://rm.internal/score?a=1&access_key={CANARY}",
+    f"http://rm.internal/score?refresh-token={CANARY}#x",
 ])  # fmt: skip
 def test_credentials_in_urls_are_redacted_by_pattern(text):
     redacted = Redactor({}).text(text)  # no variable holds them: the pattern alone finds them
@@ -118,9 +122,17 @@ def test_common_token_formats_and_more_secret_names_are_redacted():
     redacted = Redactor({}).text(text)
     assert not any(token in redacted for token in TOKENS.values()) and "hf_short sk-short" in redacted
     for name in ("DB_PASSWORD", "PREFECT_API_AUTH_STRING", "DATABASE_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
-                 "SMTP_PASSWORD_FILE"):  # fmt: skip
+                 "SMTP_PASSWORD_FILE", "PGPASSWORD", "AZURE_STORAGE_CONNECTION_STRING", "SENTRY_DSN",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "MYSQL_PWD", "HF_TOKEN_PATH"):  # fmt: skip
         assert is_secret_name(name), name
         assert CANARY not in Redactor({name: CANARY}).text(f"value {CANARY}")
+    for name in ("TOKENIZERS_PARALLELISM", "PREFECT_API_URL", "RAY_ADDRESS", "KEYBOARD_LAYOUT"):
+        assert not is_secret_name(name), name
+    # A URL with credentials is secret whatever its variable's name.
+    redis = f"redis://:{CANARY}@cache.internal:6379/0"
+    assert CANARY not in Redactor({"REDIS_URL": redis}).text(f"connecting to {redis}")
+    assert "http://127.0.0.1:4200/api" in Redactor({"PREFECT_API_URL": "http://127.0.0.1:4200/api"}).text(
+        "api at http://127.0.0.1:4200/api")
 
 
 def test_a_stream_redacts_whole_lines_even_when_a_secret_arrives_in_pieces():
