@@ -13,9 +13,14 @@ not JSON is bad luck: the request is retried with backoff on the next endpoint o
 attempt failed come back marked `failed` (the RL stage drops them, never trains on them; the evaluation fails, to
 be retried).
 
+Each request has one deadline, `--remote_rm_timeout`, for all of it (connecting, sending, waiting, reading), so an
+endpoint that answers a byte at a time cannot hold a step longer; an answer larger than MAX_ANSWER_BYTES is refused
+unread, and a redirect is an error, never followed: the Authorization header would go to whatever host it names.
+
 Endpoints that need authentication get an `Authorization` header whose value is read from the environment variable
-`--remote_rm_auth_env` names (on the Ray nodes); a URL that carries credentials itself (`user:pass@`, `?token=`)
-is refused with exit 2, its credentials redacted from the message.
+`--remote_rm_auth_env` names (on the Ray nodes), sent over https only, except to this machine's loopback; a URL that
+carries credentials itself (`user:pass@`, `?token=`) is refused with exit 2, its credentials redacted from the
+message.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import importlib.util
 import json
 import math
 import os
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +43,72 @@ import numpy as np
 import torch
 
 from infra.secrets import is_secret_name, redact_patterns, url_credentials
+from infra.settings import is_loopback
 from stages.errors import StageInputError
 
 REMOTE_ATTEMPTS = 5
 BACKOFF_BASE_S = 0.5  # waits 0.5, 1, 2, 4 s between the attempts of one request
+# A reward answer is a few numbers a sample (plus `extra_logs`); 64 MiB holds a million samples with room to spare.
+MAX_ANSWER_BYTES = 64 * 2**20
+
+
+class EndpointAnswerError(OSError):
+    """An endpoint answered in a way we do not accept (error status, redirect, too large, past the deadline):
+    a failed attempt, like a refused connection."""
+
+
+def _shut(sock: socket.socket) -> None:
+    """End every read and write in progress on `sock`, from another thread."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def post_json(url: str, body: bytes, headers: dict[str, str], deadline_s: float,
+              max_bytes: int = MAX_ANSWER_BYTES) -> Any:  # fmt: skip
+    """POST `body` to `url` and parse the JSON answer, all of it within `deadline_s`: a timer shuts the socket at
+    the deadline, which ends any read in progress (a socket timeout alone restarts at every byte received)."""
+    started = time.monotonic()
+    parts = urllib.parse.urlsplit(url)
+    connection_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = connection_type(parts.hostname, parts.port, timeout=deadline_s)
+    expired, timer = threading.Event(), None
+    try:
+        connection.connect()  # bounded by the socket timeout; the timer takes over from here
+        # The response keeps reading from this socket after the connection lets go of it (HTTP/1.0, `close`).
+        sock = connection.sock
+        timer = threading.Timer(max(deadline_s - (time.monotonic() - started), 0.0),
+                                lambda: (expired.set(), _shut(sock)))  # fmt: skip
+        timer.start()
+        connection.request("POST", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
+                           body=body, headers=headers)  # fmt: skip
+        response = connection.getresponse()
+        if 300 <= response.status < 400:
+            raise EndpointAnswerError(f"answered {response.status} redirecting to {response.getheader('Location')}: "
+                                      "redirects are not followed (the Authorization header would go along)")
+        if response.status >= 400:
+            raise EndpointAnswerError(f"answered HTTP {response.status} {response.reason}")
+        declared = response.getheader("Content-Length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > max_bytes:
+                raise EndpointAnswerError(f"answer of {int(declared)} bytes refused: over the {max_bytes}-byte limit")
+            payload = response.read()  # all it declared, or IncompleteRead
+        else:
+            payload = response.read(max_bytes + 1)
+            if len(payload) > max_bytes:
+                raise EndpointAnswerError(f"answer refused: over the {max_bytes}-byte limit")
+        if expired.is_set():
+            raise TimeoutError
+        return json.loads(payload)
+    except (OSError, http.client.HTTPException) as error:
+        if expired.is_set() and not isinstance(error, EndpointAnswerError):
+            raise TimeoutError(f"no complete answer within the {deadline_s:g} s deadline") from error
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+        connection.close()
 
 
 class RewardFunctionError(StageInputError):
@@ -169,10 +237,8 @@ class RemoteReward:
             url = self.urls[(chunk + attempt) % len(self.urls)]
             if attempt:
                 time.sleep(self.backoff_base_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=body, headers=self.headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    answer = json.loads(response.read())
+                answer = post_json(url, body, self.headers, self.timeout_s)
             # refused, reset, timed out, cut short (IncompleteRead, BadStatusLine), an HTTP error status, not JSON
             except (OSError, ValueError, http.client.HTTPException) as error:
                 errors.append(f"{url}: {type(error).__name__}: {error}")
@@ -195,6 +261,12 @@ def load_reward_source(spec: str, timeout_s: float = 180.0, auth_env: str | None
                     f"--remote_rm_url {redact_patterns(url)}: credentials in the URL are refused ({', '.join(found)}): "
                     "they would be copied into logs, manifests and the UI. Put the Authorization header value in "
                     "an environment variable of the Ray nodes and name it with --remote_rm_auth_env")
+        if auth_env:
+            for url in parts:
+                if url.startswith("http://") and not is_loopback(urllib.parse.urlsplit(url).hostname or ""):
+                    raise StageInputError(
+                        f"--remote_rm_url {url}: --remote_rm_auth_env {auth_env} would send its credentials "
+                        "unencrypted to another machine; use https (plain http is allowed to loopback only)")
         return RemoteReward(parts, timeout_s, headers=auth_header(auth_env))
     if auth_env:
         raise StageInputError(f"--remote_rm_auth_env {auth_env}: applies to HTTP reward endpoints, and "

@@ -1,5 +1,6 @@
 """A real HTTP reward endpoint on 127.0.0.1 for the tests: the tiny task's rule reward, or an endpoint that
-misbehaves (slow, truncated answers, not JSON, refusing requests without the expected Authorization header)."""
+misbehaves (slow, truncated answers, not JSON, refusing requests without the expected Authorization header,
+redirecting elsewhere, answering a byte at a time, announcing a huge answer, not announcing its size)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from stages.tiny import reward_func as tiny_reward
 class RewardServer:
     """A real HTTP reward endpoint on 127.0.0.1 answering the tiny task's rule reward (optionally misbehaving)."""
 
-    def __init__(self, delay_s: float = 0.0, answer=None, misbehave: str = "", token: str | None = None):
+    def __init__(self, delay_s: float = 0.0, answer=None, misbehave: str = "", token: str | None = None,
+                 redirect_to: str = ""):  # fmt: skip
         self.requests: list[int] = []
         self.authorizations: list[str | None] = []
         server = self
@@ -28,6 +30,11 @@ class RewardServer:
                 if token is not None and self.headers.get("Authorization") != token:
                     self.send_error(401)
                     return
+                if redirect_to:
+                    self.send_response(307)  # 307 keeps the method and the body
+                    self.send_header("Location", redirect_to)
+                    self.end_headers()
+                    return
                 rewards = tiny_reward(body["query"], body["prompts"], body["labels"]).tolist()
                 payload = json.dumps(answer if answer is not None else {"rewards": rewards}).encode()
                 if misbehave == "not json":
@@ -35,8 +42,15 @@ class RewardServer:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 # "truncated": the length promised, half of the body sent, the connection closed
-                self.send_header("Content-Length", str(len(payload)))
+                if misbehave != "unsized":  # "unsized": no length, the answer ends when the connection closes
+                    self.send_header("Content-Length", str(200 * 2**20 if misbehave == "huge" else len(payload)))
                 self.end_headers()
+                if misbehave == "drip":  # the whole answer, one byte every 0.2 s
+                    for byte in payload:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                    return
                 self.wfile.write(payload[: len(payload) // 2] if misbehave == "truncated" else payload)
                 if misbehave == "truncated":
                     self.close_connection = True

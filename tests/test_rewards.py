@@ -15,6 +15,7 @@ from stages.rewards import (
     RewardFunctionError,
     load_reward_source,
     parse_reward_output,
+    post_json,
 )
 from stages.errors import StageInputError
 
@@ -176,3 +177,42 @@ def test_urls_with_credentials_are_refused_without_showing_them(url):
         load_reward_source(url)
     assert "CANARY" not in str(refused.value) and "--remote_rm_auth_env" in str(refused.value)
     assert isinstance(refused.value, StageInputError)
+
+
+def test_a_redirect_is_not_followed_and_the_credentials_stay_with_the_endpoint(servers, monkeypatch):
+    secret = "Bearer s3cr3t-t0ken-for-rewards"
+    elsewhere = servers()
+    redirecting = servers(redirect_to=elsewhere.url)
+    monkeypatch.setenv("REWARD_API_TOKEN", secret)
+    source = load_reward_source(redirecting.url, timeout_s=5, auth_env="REWARD_API_TOKEN")
+    source.backoff_base_s = 0.01
+    batch = source(QUERIES, PROMPTS, LABELS)
+    assert batch.failed.all() and elsewhere.requests == [] and redirecting.authorizations == [secret] * REMOTE_ATTEMPTS
+    assert f"answered 307 redirecting to {elsewhere.url}: redirects are not followed" in batch.errors[0]
+
+
+def test_the_timeout_is_a_deadline_for_the_whole_answer(servers):
+    dripping, good = servers(misbehave="drip"), servers()  # its answer would take about 6 s
+    started = time.monotonic()
+    batch = RemoteReward([dripping.url, good.url], timeout_s=1, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    assert batch.rewards.tolist() == EXPECTED and time.monotonic() - started < 3.0
+    alone = RemoteReward([dripping.url], timeout_s=0.5, backoff_base_s=0.01)(QUERIES[:1], PROMPTS[:1], LABELS[:1])
+    assert alone.failed.all() and "no complete answer within the 0.5 s deadline" in alone.errors[0]
+
+
+def test_an_answer_over_the_size_limit_is_refused_unread(servers):
+    huge = servers(misbehave="huge")  # announces 200 MiB
+    batch = RemoteReward([huge.url], timeout_s=5, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
+    assert batch.failed.all() and f"answer of {200 * 2**20} bytes refused: over the" in batch.errors[0]
+    with pytest.raises(OSError, match="over the 10-byte limit"):  # what it sends, not only what it announces
+        post_json(servers(misbehave="unsized").url, b'{"query": ["q"], "prompts": ["p"], "labels": ["1"]}', {}, 5, max_bytes=10)
+
+
+def test_credentials_go_over_https_except_to_loopback(monkeypatch):
+    monkeypatch.setenv("REWARD_API_TOKEN", "Bearer s3cr3t-t0ken-for-rewards")
+    with pytest.raises(StageInputError, match=r"--remote_rm_url http://rewards.example.com/r: --remote_rm_auth_env "
+                                              r"REWARD_API_TOKEN would send its credentials unencrypted"):
+        load_reward_source("https://a.example.com/r,http://rewards.example.com/r", auth_env="REWARD_API_TOKEN")
+    assert load_reward_source("https://rewards.example.com/r", auth_env="REWARD_API_TOKEN").urls
+    assert load_reward_source("http://127.0.0.1:8000/r", auth_env="REWARD_API_TOKEN").urls
+    assert load_reward_source("http://rewards.example.com/r").urls  # no credentials: plain http is the user's call
