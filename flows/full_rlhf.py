@@ -16,9 +16,9 @@ its job. A run put back by the `--retry-crashed` automation (flows/server_setup.
 RLHF_MAX_CRASH_RETRIES times in a row fails at once instead.
 
 A run of a deployment may set otherwise than the deployment's own `config` parameter only the fields declared
-RunOverride (stages/fields.py): how much to train, how often to checkpoint and log, the seed, the rollout engine.
-Everything else (models, data, reward sources, the gate, where artifacts go) is the deployment's; a run that
-changes it fails before it starts anything.
+RunOverride (stages/fields.py): how much to train, how often to checkpoint (never off) and log, the training
+seeds, the rollout engine. Everything else (models, data, reward sources, the gate and the evaluation it judges,
+where artifacts go) is the deployment's; a run that changes it fails before it starts anything.
 
 The end of a run: the evaluation of the candidate beside its reference and the production policy, the report, the
 gate's decision, with `gate.require_approval` a pause for a person's approval (a form in the Prefect UI, or
@@ -42,7 +42,9 @@ from flows.results import PipelineResult
 from flows.server_setup import AUTO_RETRY_MESSAGE
 from infra.ray_cluster import ray_address_in_env
 from infra.settings import Settings, get_settings
-from pipeline.config import PipelineConfig, policy_stage, refused_overrides, run_overrides, validate_pipeline
+from pipeline.config import (
+    PipelineConfig, overrides_out_of_bounds, policy_stage, refused_overrides, run_overrides, validate_pipeline,
+)  # fmt: skip
 from pipeline.gate import PromotionDecision
 from pipeline.identity import StageResult, stage_inputs
 from pipeline.report import ReportResult
@@ -96,6 +98,10 @@ def check_run(config: PipelineConfig, settings: Settings) -> None:
         if refused:
             raise OverrideRefused(f"this run of deployment {deployment.name} changes {', '.join(refused)}: only the "
                                   f"deployment sets them; a run may set {', '.join(run_overrides())}")
+        too_low = overrides_out_of_bounds(deployed, config)
+        if too_low:
+            raise OverrideRefused(f"this run of deployment {deployment.name} sets {', '.join(too_low)}: a run may not "
+                                  "turn checkpoints off; the deployment's own parameters may")
 
 
 # The flow's own result (small) goes to Prefect's default result storage: PREFECT_LOCAL_STORAGE_PATH, or

@@ -23,7 +23,7 @@ from stages.config import (
 )
 from stages.dpo.config import DPOConfig
 from stages.evaluate.config import EvaluateConfig
-from stages.fields import RunOverride, names_with
+from stages.fields import RunOverride, fields_with, names_with
 from stages.kto.config import KTOConfig
 from stages.registry import STAGES
 from stages.reward_model.config import RewardModelConfig
@@ -96,6 +96,10 @@ class PromotionGate(StrictModel):
         0.0, description="reward_mean − reference_reward_mean must be greater than this (reward-model score)",
     )
     min_accuracy_gain: float = Field(0.0, description="accuracy − reference_accuracy must be at least this")
+    min_prompts: int = Field(
+        100, ge=1,
+        description="the evaluation must have judged at least this many held-out prompts: on fewer, noise decides",
+    )
     max_kl_mean: float | None = Field(
         None, gt=0, description="upper bound on kl_mean (candidate vs reference); unset: only finite is required",
     )
@@ -229,6 +233,16 @@ def refused_overrides(deployed: PipelineConfig, requested: PipelineConfig) -> li
         elif theirs[key] != value:
             refused.append(key)
     return refused
+
+
+def overrides_out_of_bounds(deployed: PipelineConfig, requested: PipelineConfig) -> list[str]:
+    """Run overrides set below what a run may set (RunOverride.at_least), as `stage.field=value (at least N)`."""
+    ours, theirs = deployed.model_dump(mode="json"), requested.model_dump(mode="json")
+    return [f"{key}.{field}={theirs[key][field]} (at least {role.at_least})"
+            for key, config_cls in STAGES.items() if key in ours
+            for field, role in fields_with(config_cls, RunOverride).items()
+            if role.at_least is not None and theirs[key][field] != ours[key][field]
+            and theirs[key][field] < role.at_least]  # fmt: skip
 
 
 def run_overrides() -> list[str]:

@@ -69,6 +69,8 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
     def record(ok: bool, line: str) -> None:
         (passes if ok else failures).append(line)
 
+    judged = metrics.get("prompts", 0)
+    record(judged >= gate.min_prompts, f"judged on {judged} held-out prompts (needs >= {gate.min_prompts})")
     comparisons = 0
     if "accuracy" in metrics and "reference_accuracy" in metrics:
         comparisons += 1

@@ -252,6 +252,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
     notes: list[str] = []
     config, unpinned = pin_hub_datasets(config, problems, notes, must_pin=cluster.binding)
     check_reward_sources(config, settings, problems)
+    check_gate_sample(config, notes, problems)
     wiring = shape_inputs(config.shape)
     unused = [s for s in STAGES if s not in config.stages]
     if unused:
@@ -295,6 +296,18 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
                                bundles=bundles, bundle=bundle, key=key, reused_version=reused, datasets=datasets,
                                unpinned=stage in unpinned, memory=memory))
     return Plan(config=config, cluster=cluster, stages=plans, problems=problems, notes=notes)
+
+
+def check_gate_sample(config: PipelineConfig, notes: list[str], problems: list[str]) -> None:
+    """Say how many prompts the gate judges on, and refuse an evaluation too small for the gate to decide on."""
+    if "evaluate" not in config.stages:
+        return
+    most, least = config.evaluate.max_samples, config.gate.min_prompts
+    notes.append(f"gate: judges the candidate on at most evaluate.max_samples={most} held-out prompts, and on "
+                 f"fewer than gate.min_prompts={least} keeps production")
+    if most < least:
+        problems.append(f"evaluate.max_samples={most} is below gate.min_prompts={least}: no candidate could ever "
+                        "be promoted")
 
 
 def pin_hub_datasets(config: PipelineConfig, problems: list[str], notes: list[str], *, must_pin: bool,

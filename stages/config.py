@@ -21,7 +21,10 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from stages.fields import LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, Dataset, GpuOnly, ModelPath
+from stages.fields import (
+    LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, RUN_OVERRIDE_KEEPING_CHECKPOINTS, Dataset, GpuOnly,
+    ModelPath,
+)  # fmt: skip
 from stages.fingerprint import mixture_parts
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -203,7 +206,7 @@ class TrainingConfig(StageConfig):
     """Runtime fields of every training stage: checkpoints, DeepSpeed, optimizer, batches."""
 
     ckpt_path: OutputPath = ckpt_path_field("./ckpt/checkpoints")
-    save_steps: Annotated[int, NOT_TRAINING, RUN_OVERRIDE] = Field(
+    save_steps: Annotated[int, NOT_TRAINING, RUN_OVERRIDE_KEEPING_CHECKPOINTS] = Field(
         -1, ge=-1, description="optimizer steps between checkpoints; -1 = only the final output",
     )
     logging_steps: Annotated[int, NOT_TRAINING, RUN_OVERRIDE] = Field(

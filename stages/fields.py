@@ -59,8 +59,11 @@ class NotTraining:
 @dataclass(frozen=True)
 class RunOverride:
     """A deployment run may give it another value than the deployment's own parameters: how much to train and how
-    often to checkpoint or log. Everything else (models, data, reward sources, the gate, where artifacts go) only
-    the deployment sets."""
+    often to checkpoint or log. Everything else (models, data, reward sources, the gate and what it judges on,
+    where artifacts go) only the deployment sets. With `at_least`, a run's value may not go below it (checkpoints
+    cannot be turned off by a run)."""
+
+    at_least: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class GpuOnly:
 
 REWARD_SOURCE, OUTPUT, LAUNCHER, NOT_TRAINING = RewardSource(), Output(), Launcher(), NotTraining()
 RUN_OVERRIDE = RunOverride()
+RUN_OVERRIDE_KEEPING_CHECKPOINTS = RunOverride(at_least=1)
 Role = TypeVar("Role")
 
 

@@ -22,10 +22,13 @@ from pipeline.config import (
     TINY_ASSET_FIELDS,
     PromotionGate,
     load_pipeline_config,
+    overrides_out_of_bounds,
     policy_stage,
+    refused_overrides,
     shape_inputs,
 )
 from pipeline.gate import check_gate
+from pipeline.plan import check_gate_sample
 from pipeline.identity import stage_identity
 from pipeline.memory import CONTEXT_BYTES, GIB, ModelShape, frozen_memory, rl_memory, trained_memory
 from pipeline.plan import ClusterResources, _check_fit, ray_request
@@ -95,18 +98,19 @@ def test_an_rl_agent_gives_the_evaluation_its_episodes_and_no_reward_function_is
 
 def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     # The approval fields act in the flow (tests/test_deployment.py: approved in the browser, rejected by timeout).
-    assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "max_kl_mean",
+    assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "min_prompts", "max_kl_mean",
                                                "max_reward_regression", "max_accuracy_regression",
                                                "require_approval", "approval_timeout_s"}
     assert load_pipeline_config("tiny").gate.max_accuracy_regression == 0.02
     report = {"accuracy": 0.50, "reference_accuracy": 0.30, "reward_mean": 1.0, "reference_reward_mean": 0.5,
-              "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02}
+              "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02, "prompts": 200}
     assert check_gate(report, PromotionGate(), production_version=3)[0]  # within both tolerances
     for field, value, failing in [("min_accuracy_gain", 0.3, "FAIL accuracy gain"),
                                   ("min_reward_gain", 0.5, "FAIL reward gain"),
                                   ("max_kl_mean", 0.3, "FAIL kl_mean"),
                                   ("max_accuracy_regression", 0.005, "FAIL accuracy 0.5000 vs production v3"),
-                                  ("max_reward_regression", 0.01, "FAIL reward_mean 1.0000 vs production v3")]:
+                                  ("max_reward_regression", 0.01, "FAIL reward_mean 1.0000 vs production v3"),
+                                  ("min_prompts", 201, "FAIL judged on 200 held-out prompts (needs >= 201)")]:
         passed, reasons = check_gate(report, PromotionGate(**{field: value}), production_version=3)
         assert not passed and [r for r in reasons if r.startswith("FAIL")][0].startswith(failing), (field, reasons)
     # Production exists but the report did not score it: no decision without it.
@@ -114,6 +118,24 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     passed, reasons = check_gate(no_production, PromotionGate(), production_version=3)
     assert not passed and "no production_ metrics although production v3 exists" in reasons[0]
     assert check_gate(no_production, PromotionGate(), production_version=None)[0]
+
+
+def test_what_the_gate_judges_on_is_the_deployments_alone(tmp_path):
+    """A run may not pick the evaluation's seed or prompt count, nor turn checkpoints off; a preset whose evaluation
+    is smaller than the gate's minimum is a problem of the plan."""
+    deployed = load_pipeline_config("llama3-8b")
+    for section, field, value in [("evaluate", "max_samples", 3), ("evaluate", "seed", 7), ("gate", "min_prompts", 1)]:
+        run = load_pipeline_config("llama3-8b", {section: {field: value}})
+        assert refused_overrides(deployed, run) == [f"{section}.{field}"]
+    quick = load_pipeline_config("llama3-8b", {"rl": {"max_samples": 64, "save_steps": 2}, "sft": {"seed": 3}})
+    assert refused_overrides(deployed, quick) == [] and overrides_out_of_bounds(deployed, quick) == []
+    off = load_pipeline_config("llama3-8b", {"rl": {"save_steps": -1}, "dpo": {"save_steps": -1}})
+    assert refused_overrides(deployed, off) == []
+    assert overrides_out_of_bounds(deployed, off) == ["dpo.save_steps=-1 (at least 1)", "rl.save_steps=-1 (at least 1)"]
+    notes, problems = [], []
+    check_gate_sample(load_pipeline_config("llama3-8b", {"evaluate": {"max_samples": 200}}), notes, problems)
+    assert problems == ["evaluate.max_samples=200 is below gate.min_prompts=500: no candidate could ever be promoted"]
+    assert "judges the candidate on at most evaluate.max_samples=200 held-out prompts" in notes[0]
 
 
 # ---------------------------------------------------------------------------------------------- fingerprints

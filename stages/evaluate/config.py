@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from stages.config import PolicyPath, PromptConfig, RankLayout
+from stages.config import PolicyPath, PromptConfig, RankLayout, max_samples_field
 from stages.fields import Dataset
 
 
@@ -23,6 +23,10 @@ class EvaluateConfig(RankLayout, PromptConfig):
     tiny_assets = {"ref_pretrain": "model", "prompt_data": "prompts_eval", "remote_rm_url": "rule_reward"}
     rank_flags = "vllm_num_engines × vllm_tensor_parallel_size, num_gpus_per_node"
 
+    # What the promotion gate judges on is the deployment's alone: a run that could pick the seed or shrink the
+    # prompt set could retry until noise passes a candidate. Redeclared here without RUN_OVERRIDE.
+    seed: int = Field(42, description="random seed of the sampled answers (pass@n, KL); set by the deployment only")
+    max_samples: int = max_samples_field(1_000_000)
     pretrain: PolicyPath = Field(None, description="policy to evaluate (HF dir, hub name or s3:// URI)")
     prompt_data: Annotated[str | None, Dataset(split="prompt_split", held_out=True)] = Field(
         None, description="held-out prompts: hub name, local json/jsonl/parquet or s3:// URI",
