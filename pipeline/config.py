@@ -156,8 +156,8 @@ class PipelineConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _extends_a_preset(cls, data):
-        # A deployment's `config` parameter is its preset verbatim, `extends:` included.
-        return resolve_extends(data, "config") if isinstance(data, dict) else data
+        # A deployment's `config` parameter is its preset verbatim, `extends:` included (a preset's name only).
+        return resolve_extends(data, "config", presets_only=True) if isinstance(data, dict) else data
 
     @property
     def stages(self) -> tuple[str, ...]:

@@ -597,14 +597,18 @@ def preset_data(path: Path) -> dict:
     return resolve_extends(read_yaml_mapping(path), str(path), ())
 
 
-def resolve_extends(data: dict, where: str, chain: tuple[Path, ...] = ()) -> dict:
+def resolve_extends(data: dict, where: str, chain: tuple[Path, ...] = (), presets_only: bool = False) -> dict:
     """`data` without its `extends: <preset name or YAML path>`, merged over the preset it names. A preset that
     extends another names its own pipeline: with the base's name its runs would share the base's artifacts and
-    production policy."""
+    production policy. `presets_only`: `data` came as a parameter (a deployment run's `config`), which may extend
+    a preset of the install by name but never have a file of the machine read."""
     if data.get("extends") is None:  # none, or a config already resolved (dumped with `extends: null`)
         return data
     own = {key: value for key, value in data.items() if key != "extends"}
     base = data["extends"]
+    if presets_only and base not in preset_names():
+        raise ConfigError(f"{where}: extends may name only a preset ({', '.join(preset_names())}) here, not a file: "
+                          "a run's parameters never have files read")
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{where}: extends must name a preset ({', '.join(preset_names())}) or a YAML path")
     if "name" not in own:

@@ -455,6 +455,17 @@ def test_a_preset_extends_another_section_by_section(tmp_path):
         load_pipeline_config(str(tmp_path / "typo.yaml"))
 
 
+
+def test_a_config_parameter_extends_presets_by_name_and_never_has_a_file_read(tmp_path):
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("name: CANARY-in-a-file\n")
+    for base in (str(secret), "/etc/passwd", "../configs/tiny.yaml"):
+        with pytest.raises(ValueError, match=r"config: extends may name only a preset \(llama3-8b, .*\) here, not a "
+                                             r"file: a run's parameters never have files read") as refused:
+            PipelineConfig.model_validate({"extends": base, "name": "mine"})
+        assert "CANARY" not in str(refused.value) and "root:" not in str(refused.value)
+    assert PipelineConfig.model_validate({"extends": "tiny", "name": "mine"}).shape == load_pipeline_config("tiny").shape
+
 def test_flags_override_the_preset_section(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({"rl": load_preset("tiny")["rl"] | {"seed": 3}}))
