@@ -20,7 +20,7 @@ from stages.cli import parse_stage_args
 from stages.placement import models_take_turns, placement_plan, rank_processes
 from stages.registry import STAGES
 from stages.rl.config import RLConfig
-from stages.rl.driver import PromptStream, drift_warnings
+from stages.rl.driver import PromptStream, RewardUnavailableError, drift_warnings, evaluate_held_out
 from stages.rl.critic import ending_with_eos, reward_normalization
 from stages.rl.rollout_queue import RolloutQueue
 from stages.rl.weight_sync import SharedBucket, bucket_bytes_total, open_shared, plan_buckets, share_bucket
@@ -136,6 +136,25 @@ def test_prompt_stream_walks_seeded_episodes_and_resumes_at_its_position():
     assert [p["prompt"] for p in resumed.take(100)] == rest and len(rest) == 8  # then the stream ends
     assert stream.take(1) == []
     assert PromptStream(prompts, seed=4, num_episodes=1).take(10) != PromptStream(prompts, 3, 1).take(10)
+
+
+class EndpointsDown:
+    """A scorer whose every reward request failed (the endpoints are down), answering the engines' samples."""
+
+    def sample(self, cfg, engines, prompts, n, **sampling):
+        from stages.rewards import RewardBatch
+        from stages.rl.rollout import Rollout
+
+        rollouts = [Rollout(i // n, p["prompt"], [5, 2], "x", None, "stop", [1]) for i, p in enumerate(prompts * n)]
+        nan = torch.full((len(rollouts),), float("nan"))
+        failed = RewardBatch(nan, nan.clone(), torch.ones(len(rollouts), dtype=torch.bool), {}, ["r:1: refused"])
+        return rollouts, failed
+
+
+def test_held_out_rewards_that_all_failed_are_an_error_to_retry_never_a_nan_metric():
+    cfg = RLConfig(eval_n_samples_per_prompt=0)
+    with pytest.raises(RewardUnavailableError, match="no held-out prompt got a reward: r:1: refused"):
+        evaluate_held_out(cfg, types.SimpleNamespace(engines=[]), [{"prompt": "1+1", "label": "2"}], EndpointsDown())
 
 
 def test_drift_guards_name_what_drifts():

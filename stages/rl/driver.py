@@ -615,6 +615,8 @@ def evaluate_held_out(cfg: RLConfig, roles: Roles, prompts: list[dict], scorer: 
     labels = [p["label"] for p in prompts]
     greedy, rewards = scorer.sample(cfg, roles.engines, prompts, n=1, temperature=0.0, top_p=1.0, seed=cfg.seed)
     rewards = rewards if rewards is not None else scorer(greedy, labels)
+    if bool(rewards.failed.all()):  # a mean over nothing would be NaN, refused at commit on every retry
+        raise RewardUnavailableError("no held-out prompt got a reward: " + "; ".join(rewards.errors[-3:]))
     metrics = {
         "eval_reward": float(rewards.rewards[~rewards.failed].mean()),
         "eval_response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
@@ -627,6 +629,9 @@ def evaluate_held_out(cfg: RLConfig, roles: Roles, prompts: list[dict], scorer: 
         scores = scores if scores is not None else scorer(sampled, [label for label in labels for _ in range(k)])
         per_prompt = scores.rewards.view(-1, k)
         answered = ~scores.failed.view(-1, k).any(dim=1)
+        if not bool(answered.any()):
+            raise RewardUnavailableError("no held-out prompt got rewards for all its samples: "
+                                         + "; ".join(scores.errors[-3:]))
         metrics["eval_pass1"] = float(per_prompt[answered].mean())
         metrics[f"eval_pass{k}"] = float(per_prompt[answered].max(dim=1).values.mean())
     if cfg.vllm_enable_sleep:
