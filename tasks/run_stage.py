@@ -30,7 +30,7 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from pydantic import BaseModel
 
-from infra.artifacts import InputRef, open_store, read_metrics
+from infra.artifacts import ArtifactError, InputRef, StoreUnreachable, open_store, read_metrics
 from infra.ray_cluster import RayClusterError, job_client
 from infra.secrets import Redactor
 from infra.settings import Settings, get_settings
@@ -298,23 +298,32 @@ def run_stage(
     info, log_tail = _watch(client, settings.ray_address, job_id, deadline, settings.poll_interval_s, logger, logs)
     if info.status.value != "SUCCEEDED":
         _raise_for_failure(stage, job_id, info, log_tail, redact)
-    metrics = read_metrics(output_dir)
-    progress.finish(metrics.get("steps") if isinstance(metrics.get("steps"), int) else None)
-
     # A concurrent run with the same stage key may have committed first: use its version.
     existing = store.find_by_stage_key(stage, key)
     if existing is not None:
         return StageResult.from_manifest(existing)
-    manifest = store.commit(
-        stage,
-        output_dir,
-        config=redact.data(resolved),
-        inputs={field: InputRef(uri=r.uri, digest=r.digest) for field, r in inputs.items()},
-        datasets=identity.datasets,
-        code_version=code,
-        metrics=redact.data(metrics),
-        stage_key=key,
-    )
+    try:
+        metrics = read_metrics(output_dir)
+        manifest = store.commit(
+            stage,
+            output_dir,
+            config=redact.data(resolved),
+            inputs={field: InputRef(uri=r.uri, digest=r.digest) for field, r in inputs.items()},
+            datasets=identity.datasets,
+            code_version=code,
+            metrics=redact.data(metrics),
+            stage_key=key,
+        )
+    except StoreUnreachable:
+        raise  # the output is fine: a retry commits it
+    except ArtifactError as error:
+        # The job succeeded but wrote what cannot be committed (non-finite metrics, a bad file name): re-attaching
+        # to it would refuse the same output forever. Set it aside; the retry finds no output and runs a new job.
+        refused = workspace / f"refused-{job_id}"
+        output_dir.rename(refused)
+        raise StageError(redact.text(f"stage {stage}: the output of job {job_id} cannot be committed: {error}; set "
+                                     f"aside in {refused}, a retry runs the stage again as a new job")) from error
+    progress.finish(metrics.get("steps") if isinstance(metrics.get("steps"), int) else None)
     result = StageResult.from_manifest(manifest)
     _publish(result, logger)
     return result

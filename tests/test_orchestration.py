@@ -58,6 +58,7 @@ class ToyConfig(BaseModel):
     config_error: bool = False
     steps: int = 0
     leak_env: list[str] = []
+    nan_until_resumed: bool = False
     save_path: str = ""
     ckpt_path: str = ""
 
@@ -178,6 +179,15 @@ def test_crash_is_retried_and_resumes_from_checkpoint(env, monkeypatch):
     result = run_toy(env, ToyConfig(value=4)).result()
     assert result.metrics["resumed_from_step"] == 1
     assert attempts_of(env, ToyConfig(value=4)) == ["FAILED", "SUCCEEDED"]
+
+
+def test_a_succeeded_job_whose_output_cannot_be_committed_runs_again_as_a_new_job(env):
+    config = ToyConfig(value=6, nan_until_resumed=True)
+    result = run_toy(env, config).result()  # the first job's NaN metric refused, the retry's job committed
+    assert result.metrics["resumed_from_step"] == 1 and "loss" not in result.metrics
+    assert attempts_of(env, config) == ["SUCCEEDED", "SUCCEEDED"]
+    refused = list(toy_workspace(config).glob("refused-*"))
+    assert len(refused) == 1 and "NaN" in (refused[0] / "metrics.json").read_text()
 
 
 def test_deadline_stops_the_job(env, monkeypatch):

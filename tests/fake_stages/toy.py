@@ -4,7 +4,7 @@
 Config fields: value (int), pretrain (an input URI or null), sleep_s (seconds to run), config_error (bool:
 exit 2 naming the field), steps (step lines to print, in the stages' progress format), leak_env (names of
 variables whose values it prints, as a careless library would; with no checkpoint yet it also fails with them in
-its error). It checkpoints step 1, crashes (exit 3) after that checkpoint when TOY_CRASH_AFTER_CHECKPOINT is set
+its error), nan_until_resumed (bool: a NaN metric when no checkpoint existed at start). It checkpoints step 1, crashes (exit 3) after that checkpoint when TOY_CRASH_AFTER_CHECKPOINT is set
 and none existed at start, and writes result.json and metrics.json.
 """
 
@@ -58,6 +58,8 @@ def main() -> None:
     metrics = {"value": cfg["value"], "resumed_from_step": resumed_from_step}
     if steps:
         metrics["steps"] = steps
+    if cfg.get("nan_until_resumed") and resumed_from_step == 0:
+        metrics["loss"] = float("nan")
     (out / "metrics.json").write_text(json.dumps(metrics))
     print("toy: done", flush=True)
 
