@@ -43,7 +43,8 @@ from pathlib import Path
 
 import psutil
 
-from infra.settings import Settings, get_settings, is_loopback
+from infra.net import is_loopback
+from infra.settings import Settings, get_settings
 
 HEAD_RECORD = "ray-head.json"
 ALL_INTERFACES = ("0.0.0.0", "::")

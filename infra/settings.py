@@ -9,7 +9,6 @@ flows see changes made after import.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -19,19 +18,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from infra.artifacts import StoreSettings
+from infra.net import is_loopback
 from infra.secrets import is_secret_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and `localhost`: addresses no other machine can reach."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Settings(StoreSettings):

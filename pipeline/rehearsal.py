@@ -18,10 +18,11 @@ values). The swaps, each with its reason (what a GPU cluster has and this machin
 - steps capped: one epoch and data for REHEARSAL_STEPS optimizer steps per training stage (RL: rollouts), the
   evaluation on EVAL_PROMPTS prompts; `save_steps` scaled with them (the preset's interval as the same fraction of
   its steps, at least one step, before the last), so that a rehearsal checkpoints and can resume as the preset does;
+- the gate's min_prompts down to EVAL_PROMPTS, the prompts the rehearsal's evaluation judges;
 - the pipeline's artifact root -> a rehearsal folder, so that a rehearsal never writes into the preset's store.
-Everything else (shape, gate, ZeRO stage, bf16, gradient checkpointing, colocation, sleep flags, estimator, KL,
-packing, learning rates, reward functions, the weight-sync backend ...) is kept, so a preset that cannot run fails
-here, on CPU, in minutes.
+Everything else (shape, the gate's rules, ZeRO stage, bf16, gradient checkpointing, colocation, sleep flags,
+estimator, KL, packing, learning rates, reward functions, the weight-sync backend ...) is kept, so a preset that cannot
+run fails here, on CPU, in minutes.
 """
 
 from __future__ import annotations
@@ -264,6 +265,10 @@ def rehearse_pipeline(config: PipelineConfig, stand_ins: StandIns, artifact_root
     swaps = [Swap("pipeline", "artifact_root", config.artifact_root, artifact_root,
                   "a rehearsal never writes into the preset's store")]
     data["artifact_root"] = artifact_root
+    if "evaluate" in config.stages and config.gate.min_prompts > EVAL_PROMPTS:
+        swaps.append(Swap("gate", "min_prompts", config.gate.min_prompts, EVAL_PROMPTS,
+                          f"the rehearsal's evaluation judges {EVAL_PROMPTS} prompts"))
+        data["gate"]["min_prompts"] = EVAL_PROMPTS
     for stage in config.stages:
         data[stage], stage_swaps = rehearse_stage(stage, data[stage], stand_ins, set(wiring[stage]))
         swaps += stage_swaps

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from infra.secrets import is_secret_name, redact_patterns, url_credentials
-from infra.settings import is_loopback
+from infra.net import is_loopback
 from stages.errors import StageInputError
 
 REMOTE_ATTEMPTS = 5

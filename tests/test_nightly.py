@@ -191,7 +191,12 @@ def test_a_rehearsal_keeps_every_setting_but_the_stated_swaps(preset, stand_ins,
         for field, value in before[stage].items():
             assert after[stage][field] == value or (stage, field) in swapped, (stage, field)
         assert after[stage]["device"] == "cpu"
-    assert (after["shape"], after["gate"], after["name"]) == (before["shape"], before["gate"], before["name"])
+    assert (after["shape"], after["name"]) == (before["shape"], before["name"])
+    # The gate's rules stay; the number of prompts it needs is the rehearsal's evaluation's, stated as a swap.
+    gate_swaps = {field for stage, field in swapped if stage == "gate"}
+    assert gate_swaps <= {"min_prompts"} and after["gate"]["min_prompts"] <= after["evaluate"]["max_samples"]
+    assert {k: v for k, v in after["gate"].items() if k not in gate_swaps} == \
+        {k: v for k, v in before["gate"].items() if k not in gate_swaps}
     for stage in {"sft", "reward_model", "dpo", "kto"} - set(config.stages):
         assert after[stage] == before[stage]  # sections the shape does not run are left alone
     # Nothing a GPU cluster also has is swapped: the settings that make the preset what it is stay.

@@ -307,7 +307,7 @@ def promote_flow(policy: StageResult, report: StageResult, gate: PromotionGate, 
 def test_promote_moves_production_only_when_the_gate_passes(env):
     policy = run_toy(env, ToyConfig(value=9)).result()
     good = {"accuracy": 0.6, "reference_accuracy": 0.3, "reward_mean": 1.0, "reference_reward_mean": 0.2,
-            "kl_mean": 0.5}  # fmt: skip
+            "kl_mean": 0.5, "prompts": 200}  # fmt: skip
     store = open_store(env["root"], PIPELINE)
 
     for metrics in ({**good, "accuracy": 0.2}, {**good, "kl_mean": float("nan")}, {"kl_mean": 0.1}):
