@@ -5,6 +5,7 @@ Layout under ``<root>/<pipeline>/<stage>/``::
     v0001/...             payload files, then MANIFEST.json written last: a version exists iff its manifest does
     aliases/<name>/000001.json  the moves of an alias, each created exclusively; the newest is where it points
     _claims/v0001.json    version claims, created exclusively; never overwritten, never deleted
+    _quarantine/v0001.json  versions found damaged (what was wrong): skipped by reuse and listed as QUARANTINED
     _staging/<token>/     uploads in flight; moved into the claimed version directory
 
 A commit uploads into a private staging prefix, claims the next free version number by exclusive create,
@@ -16,6 +17,8 @@ Reading is checked: a manifest whose pipeline, stage or version differ from the 
 files table does not match its digest, or whose file names are absolute, contain `..` or backslashes is refused;
 its `uri` is where it was read (a store copied to another bucket never loads from the old one). `verify` re-hashes
 every file and refuses files the manifest does not list and symlinks. Listings skip unreadable manifests and say so.
+Before a version is reused, `verify_for_reuse` checks it (every hash on a local store, every size on S3); a damaged
+one is quarantined, so that the next run builds it again instead of failing on it every night.
 
 An alias moves by compare-and-swap: `set_alias(..., expected=v)` creates the next move record exclusively only
 while the alias still points at `v`; a concurrent move makes it fail with AliasMoved, naming where it points now.
@@ -230,6 +233,14 @@ def _sha256_stream(stream) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def holds_files_of(source: Path, manifest: Manifest) -> bool:
+    """Whether a local folder holds exactly the files a manifest lists, byte for byte (its hashes)."""
+    try:
+        return _hash_source_tree(source) == manifest.files
+    except ArtifactError:
+        return False
+
+
 def _hash_source_tree(source: Path) -> dict[str, FileEntry]:
     if not source.is_dir():
         raise ArtifactError(f"cannot commit {source}: not a directory")
@@ -434,6 +445,7 @@ class ArtifactStore:
             options.setdefault("auto_mkdir", True)  # writes create their parent folders, as on S3
         self.storage_options = options
         self.fs, root_path = fsspec.core.url_to_fs(root, **options)
+        self.is_local = (fsspec.core.split_protocol(root)[0] or "file") in ("file", "local")
         self.pipeline = _check_name("pipeline", pipeline)
         self.base = f"{root_path.rstrip('/')}/{pipeline}"
         self.retry_for_s = retry_for_s
@@ -765,8 +777,49 @@ class ArtifactStore:
                 self.log(f"artifact store: skipping unreadable {stage} v{version:04d}: {error}")
 
     def find_by_stage_key(self, stage: str, stage_key: str) -> Manifest | None:
-        """Newest committed manifest with this stage key (for idempotent re-runs), or None."""
-        return next((m for m in self.readable(stage, newest_first=True) if m.stage_key == stage_key), None)
+        """Newest committed manifest with this stage key (for idempotent re-runs), quarantined ones left out, or None."""
+        quarantined = self.quarantined(stage)
+        return next((m for m in self.readable(stage, newest_first=True)
+                     if m.stage_key == stage_key and m.version not in quarantined), None)  # fmt: skip
+
+    def quarantined(self, stage: str) -> dict[int, str]:
+        """{version: why} of the stage's versions found damaged."""
+        folder = f"{self._stage_path(stage)}/_quarantine"
+        records = {}
+        for version in self._numbers_in(f"{folder}/v*.json"):
+            try:
+                path = f"{folder}/v{version:04d}.json"
+                records[version] = json.loads(self._retrying(f"read of {self._uri(path)}",
+                                                             lambda: self.fs.cat_file(path)))["why"]
+            except (ValueError, KeyError, TypeError):  # a torn record still quarantines its version
+                records[version] = "(record unreadable)"
+        return records
+
+    def quarantine(self, stage: str, version: int, why: str) -> None:
+        """Set a damaged version aside: reuse skips it, listings say why. Its files stay, for a look at them."""
+        record = {"version": version, "why": why, "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            self._create_exclusive(f"{self._stage_path(stage)}/_quarantine/v{version:04d}.json",
+                                   json.dumps(record).encode())  # fmt: skip
+        except FileExistsError:
+            pass  # quarantined already, by another run that found it damaged too
+
+    def verify_for_reuse(self, manifest: Manifest) -> None:
+        """Check a version before a run reuses it instead of building it: every hash on a local store, where
+        reading is cheap; on S3 every file present at its recorded size (a full re-hash would download it all)."""
+        if self.is_local:
+            self.verify(manifest)
+            return
+        _check_digest(manifest)
+        fs, path = self._fs_for(manifest.uri)
+        fs.invalidate_cache()
+        found = self._retrying(f"listing of {manifest.uri}", lambda: fs.find(path, detail=True))
+        sizes = {name[len(path) + 1:]: info.get("size") for name, info in found.items()}
+        for rel, entry in manifest.files.items():
+            if rel not in sizes:
+                raise ChecksumError(f"{manifest.uri}/{rel}: missing")
+            if sizes[rel] != entry.size:
+                raise ChecksumError(f"{manifest.uri}/{rel}: {sizes[rel]} bytes, the manifest recorded {entry.size}")
 
     def read_file(self, manifest: Manifest, rel: str) -> bytes:
         """One file of a committed version, checked against its manifest entry."""
@@ -867,10 +920,14 @@ class ArtifactStore:
             for alias, version in self.aliases(stage).items():
                 by_version.setdefault(version, []).append(alias)
             readable = {m.version: m for m in self.readable(stage)}
+            quarantined = self.quarantined(stage)
             for version in self.versions(stage):
                 aliases = ",".join(sorted(by_version.get(version, []))) or "-"
                 if (m := readable.get(version)) is None:
                     rows.append((stage, f"v{version:04d}", aliases, "UNREADABLE", "-", "see the message above"))
+                    continue
+                if version in quarantined:
+                    rows.append((stage, f"v{version:04d}", aliases, "QUARANTINED", m.digest[:12], quarantined[version]))
                     continue
                 inputs = ", ".join(f"{name}={_short_ref(ref.uri)}" for name, ref in sorted(m.inputs.items()))
                 rows.append((stage, f"v{version:04d}", aliases, m.created_at, m.digest[:12], inputs or "-"))

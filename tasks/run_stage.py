@@ -30,7 +30,8 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.context import get_run_context
 from pydantic import BaseModel
 
-from infra.artifacts import ArtifactError, InputRef, StoreUnreachable, open_store, read_metrics
+from infra.artifacts import (ArtifactError, ChecksumError, InputRef, StoreUnreachable, holds_files_of, open_store,
+                             read_metrics)
 from infra.ray_cluster import RayClusterError, job_client
 from infra.secrets import Redactor
 from infra.settings import Settings, get_settings
@@ -241,8 +242,16 @@ def run_stage(
     key, resolved = identity.key, identity.config
     store = open_store(artifact_root, pipeline, log=logger.warning)
 
-    existing = store.find_by_stage_key(stage, key)
-    if existing is not None:
+    damaged = None
+    while (existing := store.find_by_stage_key(stage, key)) is not None:
+        try:
+            store.verify_for_reuse(existing)
+        except ChecksumError as damage:  # reused as it is, it would fail the next stage on every night
+            store.quarantine(stage, existing.version, str(damage))
+            logger.warning(f"{stage}: committed v{existing.version} is damaged ({damage}); quarantined, the stage "
+                           "is built again")
+            damaged = existing
+            continue
         logger.info(f"{stage}: reusing committed v{existing.version} ({existing.uri}): config, inputs, data and "
                     f"code unchanged (stage key {key[:16]})")
         return StageResult.from_manifest(existing, reused=True)
@@ -256,6 +265,9 @@ def run_stage(
     if checkpoints:
         resolved["ckpt_path"] = str(ckpt_dir)
     config_path = workspace / "config.yaml"
+    if damaged is not None and (output_dir / "metrics.json").exists() and not holds_files_of(output_dir, damaged):
+        # The job's output is committed again below only if it is what the damaged version held when committed.
+        shutil.rmtree(output_dir)
 
     if not settings.ray_address:
         raise RayClusterError("no Ray cluster: set RLHF_RAY_ADDRESS (the full-rlhf flow sets it for a local head)")

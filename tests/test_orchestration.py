@@ -7,6 +7,7 @@ field, reuse across shapes and runs, and the gate against the production policy.
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import re
 import subprocess
@@ -163,6 +164,26 @@ def test_rerun_is_idempotent_and_inputs_reach_config_fields(env):
     manifest = open_store(env["root"], PIPELINE).get("toy", downstream.version)
     assert manifest.config["pretrain"] == first.uri
     assert manifest.inputs["pretrain"].digest == first.digest
+
+
+
+def test_a_damaged_committed_version_is_quarantined_and_built_again_not_reused(env):
+    config = ToyConfig(value=8)
+    first = run_toy(env, config).result()
+    (Path(first.uri.removeprefix("file:")) / "result.json").write_text('{"value": 9}')  # a flipped byte, a bad disk
+    # The job's output in the workspace is what v1 held when committed: committed again, no job runs.
+    second = run_toy(env, config).result()
+    assert not second.reused and second.version == first.version + 1 and attempts_of(env, config) == ["SUCCEEDED"]
+    store = open_store(env["root"], PIPELINE)
+    assert list(store.quarantined("toy")) == [first.version] and "result.json" in store.quarantined("toy")[1]
+    assert json.loads(store.read_file(store.get("toy", second.version), "result.json"))["value"] == 8
+    # Damaged in the store and in the workspace: the stage runs again.
+    for folder in (Path(second.uri.removeprefix("file:")), toy_workspace(config) / "output"):
+        (folder / "result.json").write_text('{"value": 7}')
+    third = run_toy(env, config).result()
+    assert third.version == second.version + 1 and attempts_of(env, config) == ["SUCCEEDED", "SUCCEEDED"]
+    assert json.loads(store.read_file(store.get("toy", third.version), "result.json"))["value"] == 8
+    assert run_toy(env, config).result().reused
 
 
 def test_config_error_is_not_retried_and_names_the_field(env):
