@@ -29,14 +29,14 @@ FINAL = {StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CAN
 
 
 def small_tiny_config(**sections: dict) -> dict:
-    """The tiny preset cut to a few steps per stage (these tests check operations, not learning), as the
-    deployment's `config` parameter: only fields a run may set otherwise than its deployment (RunOverride), the
-    tiny assets where the preset builds them; `sections` override per stage."""
+    """The tiny preset cut to a few steps per training stage (these tests check operations, not learning), as the
+    deployment's `config` parameter: only fields a run may set otherwise than its deployment (RunOverride; the
+    evaluation's prompts are the deployment's alone), the tiny assets where the preset builds them; `sections`
+    override per stage."""
     overrides = {
         "sft": {"max_samples": 128, "max_epochs": 1},
         "reward_model": {"max_samples": 64, "max_epochs": 1},
         "rl": {"max_samples": 64, "num_episodes": 1, "save_steps": 1},
-        "evaluate": {"max_samples": 32},
     }
     for stage, values in sections.items():
         overrides[stage] = {**overrides[stage], **values}
