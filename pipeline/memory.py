@@ -23,10 +23,14 @@ What each model holds on a GPU, by role (RoleMemory, bytes per GPU):
   leftovers. ASLEEP_ENGINE_BYTES per worker, an estimate (not measured), plus the worker's CUDA context.
 
 Activations of one micro-batch of `tokens` tokens (b·s, or --use_dynamic_batch's token budget), hidden size h, L
-layers, vocabulary V: with gradient checkpointing each layer keeps its input (tokens·h values, 2 bytes each in
-bf16, 4 in fp32) and one layer at a time is recomputed whole; without, each layer keeps about 17·tokens·h values
-(Korthikanti et al. 2022, with FlashAttention's O(s) attention). A forward without gradients holds one layer at a
-time.
+layers, MLP width I, key/value width kv, vocabulary V, in values of 2 bytes (bf16) or 4 (fp32): with gradient
+checkpointing each layer keeps its input (tokens·h) and one layer at a time is recomputed and differentiated, which
+peaks at 12h + 2kv + 6I per token with a gated MLP (what autograd saves: the two RMSNorms' float32 inputs and
+outputs, q, k, v, the attention's output and o_proj's input, gate, up, silu(gate) and their product, 11h + 2kv + 4I;
+then the backward's gradients of the MLP's tensors and the hidden state) and 12h + 2kv + 3I with two matrices;
+without checkpointing every layer keeps that. A forward without gradients holds one layer at a time: 4h + 3I
+(gated) or 4h + 2I. Measured on an H200 against torch.cuda.max_memory_allocated (tests/test_gpu.py, within 15% on
+Llama shapes of I/h 2.75 to 4 with grouped heads).
 
 Logits (stages/algorithms.py computes log-probs and entropy in chunks of positions): the model's forward gives
 bf16 logits, tokens·V·2 bytes (the head does not upcast: transformers' LlamaForCausalLM.forward); without
@@ -55,7 +59,6 @@ from stages.placement import startup_order
 GIB = 2**30
 # Architectures whose MLP has three matrices (gate, up, down) rather than two.
 GATED_MLP = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2")
-ACTIVATION_VALUES_PER_LAYER = 17  # ≈ 34 bytes per b·s·h in bf16, with O(s) attention
 CONTEXT_BYTES = 1.0 * GIB  # CUDA context and allocator slack per process on a GPU
 # stages/algorithms.py LOGITS_CHUNK_BYTES (a test checks they agree): one chunk's float32 copy of the logits.
 LOGITS_CHUNK_BYTES = 256 * 2**20
@@ -80,6 +83,17 @@ class ModelShape:
     layers: int
     vocab: int
     embeddings: int = 0  # of `params`: the input embeddings and an untied output head (never quantized)
+    intermediate: int = 0  # the MLP's width (0: 4 × hidden)
+    kv_width: int = 0  # key/value heads × head size (0: hidden, no grouped heads)
+    gated_mlp: bool = False  # gate, up and down matrices (Llama) rather than two
+
+    def layer_values(self, grad: bool) -> int:
+        """Values per token one decoder layer holds at its peak (ACTIVATIONS above): its recomputation and backward
+        under gradient checkpointing, or a forward without gradients."""
+        h, inner, kv = self.hidden, self.intermediate or 4 * self.hidden, self.kv_width or self.hidden
+        if grad:
+            return 12 * h + 2 * kv + (6 if self.gated_mlp else 3) * inner
+        return 4 * h + (3 if self.gated_mlp else 2) * inner
 
     def weight_bytes(self, bf16: bool, load_in_4bit: bool = False) -> float:
         """Bytes of the weights: 2 (bf16) or 4 a parameter; with --load_in_4bit the linear layers in NF4."""
@@ -104,7 +118,8 @@ class ModelShape:
         per_layer = attention + mlp + 2 * h
         head = 0 if config.get("tie_word_embeddings", False) else vocab * h
         return cls(params=vocab * h + layers * per_layer + h + head, hidden=h, layers=layers, vocab=vocab,
-                   embeddings=vocab * h + head)
+                   embeddings=vocab * h + head, intermediate=inner, kv_width=kv_heads * head_dim,
+                   gated_mlp=config.get("model_type") in GATED_MLP)
 
 
 @dataclass
@@ -138,9 +153,9 @@ class RoleMemory:
         return self.states + self.activations + self.engine
 
 
-def _layer_activations(shape: ModelShape, tokens: int, value_bytes: int) -> float:
-    """Bytes one layer keeps for backward (or a forward holds at a time) over `tokens` tokens."""
-    return ACTIVATION_VALUES_PER_LAYER * tokens * shape.hidden * value_bytes
+def _layer_activations(shape: ModelShape, tokens: int, value_bytes: int, grad: bool) -> float:
+    """Bytes one layer holds at its peak over `tokens` tokens: recomputed and differentiated, or a forward."""
+    return shape.layer_values(grad) * tokens * value_bytes
 
 
 def logits_chunk_positions(vocab: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
@@ -184,7 +199,7 @@ def trained_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int,
         memory.optimizer = 0.0 if adam_offload else n * (12 if bf16 else 8) / (ranks if zero_stage >= 1 else 1)
     memory.bucket = reduce_bucket_bytes(value_bytes, zero_stage)
     memory.gathered = gathered_bytes(shape, value_bytes, zero_stage, grad=True)
-    layer = _layer_activations(shape, tokens, value_bytes)
+    layer = _layer_activations(shape, tokens, value_bytes, grad=True)
     if gradient_checkpointing:
         memory.checkpoints, memory.layer = shape.layers * tokens * shape.hidden * value_bytes, layer
     else:
@@ -205,7 +220,7 @@ def frozen_memory(role: str, shape: ModelShape, *, ranks: int, zero_stage: int, 
     if not offloaded:
         memory.gathered = gathered_bytes(shape, value_bytes, zero_stage, grad=False)
     # A forward keeps one layer's activations at a time, then the logits it reads log-probs from.
-    memory.layer = _layer_activations(shape, tokens, value_bytes)
+    memory.layer = _layer_activations(shape, tokens, value_bytes, grad=False)
     if with_logits:
         memory.logits = logits_bytes(shape, tokens, value_bytes, grad=False)
     return memory
@@ -219,7 +234,7 @@ def forward_pass(trained: RoleMemory, shape: ModelShape, *, zero_stage: int, bf1
     value_bytes = 2 if bf16 else 4
     memory = RoleMemory(f"{trained.role}.fwd", weights=trained.weights,
                         gathered=gathered_bytes(shape, value_bytes, zero_stage, grad=False),
-                        layer=_layer_activations(shape, tokens, value_bytes))
+                        layer=_layer_activations(shape, tokens, value_bytes, grad=False))
     if with_logits:
         memory.logits = logits_bytes(shape, tokens, value_bytes, grad=False)
     return memory

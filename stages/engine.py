@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,16 @@ def optimizer_section(cfg, *, learning_rate: float, device: str) -> dict | None:
                                         "weight_decay": cfg.l2}}
 
 
+def jit_arch_list(value: str) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT build of FusedAdam can read it, or None where it reads it already.
+    DeepSpeed 0.19 parses each entry's parts as integers (op_builder/builder.py compute_capability_args), so an
+    arch-specific entry such as Hopper's `9.0a`, which CUDA images set, fails the build with "invalid literal for
+    int(): '0a'" (seen on an H200). The suffix is dropped: FusedAdam uses no arch-specific instruction."""
+    entries = [entry.strip() for entry in value.replace(" ", ";").split(";") if entry.strip()]
+    readable = [re.sub(r"(?<=\d)[a-z]+(?=(\+PTX)?$)", "", entry) for entry in entries]
+    return ";".join(readable) if readable != entries else None
+
+
 def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning_rate: float, total_steps: int):
     """A DeepSpeed engine with AdamW (CPU Adam when the optimizer is offloaded) and the configured LR schedule; on
     GPUs DeepSpeed builds the optimizer from its config (optimizer_section)."""
@@ -154,6 +165,10 @@ def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning
 
     section = optimizer_section(cfg, learning_rate=learning_rate, device=get_accelerator().device_name())
     if section is not None:
+        if (readable := jit_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))) is not None:
+            print(f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']} read as {readable} for DeepSpeed's "
+                  "build of FusedAdam, which cannot parse arch-specific entries", flush=True)
+            os.environ["TORCH_CUDA_ARCH_LIST"] = readable
         engine, *_ = deepspeed.initialize(model=model, model_parameters=params, lr_scheduler=schedule,
                                           config={**ds_config, "optimizer": section})
         return engine
@@ -167,6 +182,17 @@ def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule(optimizer),
                                       config=ds_config)
     return engine
+
+
+def offload_training_states(engine) -> None:
+    """--deepspeed_enable_sleep (GPUs, ZeRO-3): the optimizer states, fp32 master weights and gradient buffers go to
+    host memory until `engine.reload_states()`. The bf16 working weights stay: log-probs and values are computed
+    between training phases."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+    engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params,
+                                   OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer])
+    torch.cuda.empty_cache()
 
 
 def build_inference_engine(model: torch.nn.Module, ds_config: dict, device: str):

@@ -446,20 +446,19 @@ def test_entropy_from_logits():
 
 
 def _unchunked_log_probs(logits, labels, temperature):
-    """The unchunked computation (one float32 copy of each whole sequence's logits), as before chunking."""
-    logits = logits / temperature
+    """The unchunked computation (one float32 copy of each whole sequence's logits, divided by the temperature in
+    float32)."""
     rows = []
     for row_logits, row_labels in zip(logits, labels.clamp(min=0).unsqueeze(-1)):
-        row_logits = row_logits.float()
+        row_logits = row_logits.float() / temperature
         rows.append(row_logits.gather(-1, row_labels).squeeze(-1) - torch.logsumexp(row_logits, dim=-1))
     return torch.stack(rows)
 
 
 def _unchunked_entropy(logits, temperature):
-    logits = logits / temperature
     rows = []
     for row_logits in logits:
-        row_logits = row_logits.float()
+        row_logits = row_logits.float() / temperature
         probs = torch.softmax(row_logits, dim=-1)
         rows.append(torch.logsumexp(row_logits, dim=-1) - (probs * row_logits).sum(-1))
     return torch.stack(rows)

@@ -82,23 +82,24 @@ def test_zero3_gathered_weights_worked_numbers():
 
 
 def test_activations_hold_the_checkpoints_and_the_larger_of_one_layer_and_the_logits():
-    """100 tokens of SMALL in bf16: checkpoints 10 × 100 × 1000 × 2 = 2e6, one layer 17 × 100 × 1000 × 2 = 3.4e6,
-    logits 100 × 100 × 2 × 2 + 4 chunks of 4e4 = 2e5: the layer is the larger. Without checkpointing every layer
-    keeps its 3.4e6, and the logits come on top."""
+    """100 tokens of SMALL in bf16 (h 1000, its MLP 4h wide with two matrices, no grouped heads): checkpoints
+    10 × 100 × 1000 × 2 = 2e6, one layer recomputed and differentiated (12h + 2h + 3 × 4h) × 100 × 2 = 5.2e6, logits
+    100 × 100 × 2 × 2 + 4 chunks of 4e4 = 2e5: the layer is the larger. Without checkpointing every layer keeps its
+    5.2e6, and the logits come on top. A forward without gradients holds (4h + 2 × 4h) × 100 × 2 = 2.4e6."""
     common = dict(ranks=8, bf16=True, lora=False, tokens=100, with_logits=True, adam_offload=False)
     zero3 = trained_memory("actor", SMALL, zero_stage=3, gradient_checkpointing=True, **common)
-    assert (zero3.checkpoints, zero3.layer, zero3.logits) == (2e6, 3.4e6, 2e5)
-    assert zero3.activations == zero3.gathered + 2e6 + 3.4e6
+    assert (zero3.checkpoints, zero3.layer, zero3.logits) == (2e6, 5.2e6, 2e5)
+    assert zero3.activations == zero3.gathered + 2e6 + 5.2e6
     whole = trained_memory("actor", SMALL, zero_stage=2, gradient_checkpointing=False, **common)
-    assert (whole.checkpoints, whole.layer, whole.gathered) == (10 * 3.4e6, 0.0, 0.0)
-    assert whole.activations == 34e6 + 2e5  # the logits on top of every layer's
+    assert (whole.checkpoints, whole.layer, whole.gathered) == (10 * 5.2e6, 0.0, 0.0)
+    assert whole.activations == 52e6 + 2e5  # the logits on top of every layer's
     # A vocabulary of 10^5: the logits (100 × 1e5 × 4 + 4 × 100 × 1e5 × 4 = 2e8) outweigh the layer.
     wide = trained_memory("actor", ModelShape(params=10**9, hidden=1000, layers=10, vocab=10**5), zero_stage=2,
                           gradient_checkpointing=True, **common)
     assert wide.logits == 2e8 and wide.activations == 2e6 + 2e8
     # The reference's forward without gradients: one layer, then the bf16 logits and 2 chunks.
     ref = frozen_memory("ref", SMALL, ranks=8, zero_stage=3, bf16=True, tokens=100, with_logits=True)
-    assert (ref.checkpoints, ref.layer, ref.logits) == (0.0, 3.4e6, 100 * 100 * 2 + 2 * 4e4)
+    assert (ref.checkpoints, ref.layer, ref.logits) == (0.0, 2.4e6, 100 * 100 * 2 + 2 * 4e4)
     # The actor's own forward for the experience: its bf16 weights and a frozen model's working memory.
     assert forward_pass(zero3, SMALL, zero_stage=3, bf16=True, tokens=100, with_logits=True).working == ref.working
 
@@ -170,3 +171,18 @@ def test_the_plan_refuses_a_preset_that_does_not_fit_naming_the_phase(monkeypatc
     problems.clear()
     plan.memory_plan(config, "rl", shape_inputs(config.shape), Settings(gpu_memory_gib=80), problems, [])
     assert problems == []
+
+
+def test_a_layers_activations_per_token_worked_numbers():
+    """Llama-3-8B: h 4096, MLP 14336 with three matrices, 8 key/value heads of 128. Recomputed and differentiated:
+    12 × 4096 + 2 × 1024 + 6 × 14336 = 137,216 values a token; a forward: 4 × 4096 + 3 × 14336 = 59,392. GPT-2's
+    two-matrix MLP of 4h, no grouped heads: 12h + 2h + 12h = 26h and 4h + 8h = 12h."""
+    llama = ModelShape.from_config({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                                    "vocab_size": 128_256, "num_attention_heads": 32, "num_key_value_heads": 8,
+                                    "intermediate_size": 14_336})
+    assert (llama.intermediate, llama.kv_width, llama.gated_mlp) == (14_336, 1024, True)
+    assert (llama.layer_values(grad=True), llama.layer_values(grad=False)) == (137_216, 59_392)
+    assert llama.params == 8_030_261_248
+    gpt2 = ModelShape.from_config({"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "vocab_size": 50_257,
+                                   "n_head": 12})
+    assert (gpt2.layer_values(grad=True), gpt2.layer_values(grad=False)) == (26 * 768, 12 * 768)

@@ -372,7 +372,7 @@ def test_a_plan_that_does_not_fit_its_gpus_is_refused_naming_the_numbers(tmp_pat
     problem = next(line for line in done.stdout.splitlines() if line.startswith("PROBLEM: rl: the GPUs"))
     # 24 GiB GPUs: the engines' share scales (12 of them), the actor's training turn does not.
     assert ("shared by every model need about 39.4 GiB each in the actor training phase (also over 24 GiB: start-up "
-            "38.5, critic training 32.7)") in problem, problem
+            "38.5, critic training 34.7)") in problem, problem
     assert "more than the 24 GiB of a GPU (RLHF_GPU_MEMORY_GIB)" in problem
 
 

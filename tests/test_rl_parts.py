@@ -327,6 +327,28 @@ def test_on_gpus_deepspeed_builds_the_optimizer_from_its_config_fused_adam_that_
     assert ds.optimizer_section(cfg, learning_rate=5e-7, device="cpu") is None
 
 
+def test_an_arch_specific_cuda_arch_list_is_read_as_deepspeeds_jit_build_can(monkeypatch):
+    """DeepSpeed's JIT build of FusedAdam fails on `9.0a` (an H200's CUDA image sets it): the suffix is dropped,
+    `+PTX` and the other entries kept; a list it reads already is left alone (None)."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, on any machine
+
+    from stages.engine import jit_arch_list
+
+    assert jit_arch_list("9.0a") == "9.0"
+    assert jit_arch_list("8.0;9.0a+PTX") == "8.0;9.0+PTX"
+    assert jit_arch_list("8.0 9.0a 10.0f") == "8.0;9.0;10.0"
+    for readable in ("9.0", "8.0;9.0+PTX", "7.5 8.0", ""):
+        assert jit_arch_list(readable) is None
+    # DeepSpeed's own JIT build arguments of FusedAdam: refused with the suffix, read without it.
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    with pytest.raises(ValueError, match="'0a'"):
+        builder.compute_capability_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", jit_arch_list("8.0;9.0a"))
+    builder.compute_capability_args()
+
+
 def test_deepspeed_sleep_offloads_the_trained_models_once_built_on_gpus_only():
     from stages.rl.driver import offload_trained_states
 

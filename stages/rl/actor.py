@@ -93,14 +93,7 @@ class TrainedRole(RankWorker):
         return ds.load_checkpoint(self.engine, self.cfg.ckpt_path, step, tag=self.tag)
 
     def offload_states(self) -> None:
-        """--deepspeed_enable_sleep: optimizer states, gradients and master weights to host memory (GPU only)."""
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-
-        # The bf16/fp32 working weights stay: log-probs and values are still computed between training phases.
-        self.engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params,
-                                            OffloadStateTypeEnum.lp_grads,
-                                            OffloadStateTypeEnum.contiguous_grad_buffer])
-        torch.cuda.empty_cache()
+        ds.offload_training_states(self.engine)
 
     def reload_states(self) -> None:
         self.engine.reload_states()
