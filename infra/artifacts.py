@@ -3,7 +3,7 @@
 Layout under ``<root>/<pipeline>/<stage>/``::
 
     v0001/...             payload files, then MANIFEST.json written last: a version exists iff its manifest does
-    aliases/<name>/000001.json  the moves of an alias, each created exclusively; the newest is where it points
+    aliases/<name>/000001.json  the moves of an alias, each created exclusively; the newest readable is where it points
     _claims/v0001.json    version claims, created exclusively; never overwritten, never deleted
     _quarantine/v0001.json  versions found damaged (what was wrong): skipped by reuse and listed as QUARANTINED
     _staging/<token>/     uploads in flight; moved into the claimed version directory
@@ -650,13 +650,13 @@ class ArtifactStore:
             raise ArtifactError(f"cannot point alias {alias!r} at {target}: not a committed version")
         moves = f"{self._stage_path(stage)}/{ALIASES}/{alias}"
         while True:
-            current = self.alias_record(stage, alias)
+            current, taken = self._alias_moves(stage, alias)
             pointed = None if current is None else current["version"]
             if expected is not ANY and pointed != expected:
                 raise AliasMoved(f"alias {alias!r} of {stage} points at {_version_name(pointed)}, not "
                                  f"{_version_name(expected)} as expected: it was moved meanwhile", pointed)
             previous = pointed if pointed != version else (current or {}).get("previous")
-            move = (current or {}).get("move", 0) + 1
+            move = max(taken, (current or {}).get("move", 0)) + 1
             record = {"alias": alias, "version": version, "previous": previous, "move": move,
                       "updated_at": datetime.now(timezone.utc).isoformat()}
             try:
@@ -671,23 +671,36 @@ class ArtifactStore:
     def alias_record(self, stage: str, alias: str) -> dict | None:
         """Where ``alias`` points: its newest move record ({"alias", "version", "previous", "move",
         "updated_at"}), or the pointer file of stores written before moves were recorded; None when unset."""
+        return self._alias_moves(stage, alias)[0]
+
+    def _alias_moves(self, stage: str, alias: str) -> tuple[dict | None, int]:
+        """(the newest readable move record of ``alias``, the newest move number taken). A torn record (its mover
+        crashed or the disk filled between creating and writing it) is skipped with a warning: that move did not
+        happen, and the next one takes the number after it."""
         base = f"{self._stage_path(stage)}/{ALIASES}/{_check_name('alias', alias)}"
         self.fs.invalidate_cache()
         try:
             moves = self._retrying(f"listing of {self._uri(base)}", lambda: self.fs.glob(f"{base}/*.json"))
         except FileNotFoundError:
             moves = []
-        path = max(moves, key=lambda p: p.rsplit("/", 1)[-1]) if moves else f"{base}.json"
-        try:
-            raw = self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path))
-        except FileNotFoundError:
-            return None
-        try:
-            record = json.loads(raw)
-            record["version"] = int(record["version"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
-        return record
+        moves = sorted(moves, key=lambda p: p.rsplit("/", 1)[-1], reverse=True)
+        taken = int(moves[0].rsplit("/", 1)[-1].removesuffix(".json")) if moves else 0
+        for path in moves or [f"{base}.json"]:
+            try:
+                raw = self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path))
+            except FileNotFoundError:
+                continue
+            try:
+                record = json.loads(raw)
+                record["version"] = int(record["version"])
+            except (ValueError, KeyError, TypeError) as e:
+                if not moves:  # the pointer file of an older store: nothing to fall back on
+                    raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
+                self.log(f"artifact store: skipping torn alias record {self._uri(path)} ({e}): that move did not "
+                         "happen")
+                continue
+            return record, taken
+        return None, taken
 
     def _create_exclusive(self, path: str, body: bytes) -> None:
         """Create ``path`` only if it does not exist (O_EXCL locally, If-None-Match on S3): FileExistsError else."""

@@ -253,6 +253,25 @@ def test_a_damaged_version_is_found_before_reuse_and_quarantined(store_root, tmp
     rebuilt = store.commit("sft", make_source(tmp_path / "src2", "a"), config={}, stage_key="key-a")
     assert store.find_by_stage_key("sft", "key-a") == rebuilt
 
+
+def test_a_torn_alias_record_is_skipped_and_the_next_move_takes_the_number_after_it(store_root, tmp_path):
+    """production's newest move record cut to 0 bytes (its mover crashed between creating and writing it): reads,
+    listings and promotions go on from the move before, saying so; the next move is number 4, after the torn 3."""
+    warnings: list[str] = []
+    store = open_store(store_root, "pipe", log=warnings.append)
+    for name in "abc":
+        store.commit("sft", make_source(tmp_path / name, name), config={})
+    store.set_alias("sft", "production", 1)
+    store.set_alias("sft", "production", 2, expected=1)
+    store.fs.pipe_file(f"{store.base}/sft/aliases/production/000003.json", b"")  # a torn move to v3
+    assert store.get("sft", "production").version == 2 and store.aliases("sft")["production"] == 2
+    assert any("skipping torn alias record" in w and "000003.json" in w for w in warnings), warnings
+    assert "production" in store.listing()
+    store.set_alias("sft", "production", 3, expected=2)
+    record = store.alias_record("sft", "production")
+    assert (record["version"], record["previous"], record["move"]) == (3, 2, 4)
+
+
 def test_versions_are_never_overwritten(store_root, tmp_path):
     store = open_store(store_root, "pipe")
     source_a = make_source(tmp_path / "a", "a")
