@@ -5,7 +5,7 @@ own serializer, and Prefect deserializes it with that one: a file planted where 
 run code on the worker, which holds the S3, Ray and Prefect credentials. So results are written as JSON
 (RESULT_SERIALIZER), kept out of every folder stage jobs write (not under the workspace root), and read through a
 checked storage block (`CheckedReads`), which refuses a result whose serializer is anything but that JSON, or that
-names a class outside this project's packages.
+names a class outside this project's packages (an exception type outside them, Python's and Prefect's).
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ RESULT_SERIALIZER = JSONSerializer(object_encoder="tasks.results.encode_result_o
                                    object_decoder="tasks.results.decode_result_object")
 # Classes a result may name (Prefect's JSON encoder records each pydantic model's class): this project's only.
 RESULT_PACKAGES = ("flows.", "pipeline.", "tasks.", "stages.", "infra.")
+# Exception types a failed task's result may name (Prefect records `__exc_type__` and imports its module to rebuild
+# it): this project's, Python's own and Prefect's.
+EXCEPTION_PACKAGES = (*RESULT_PACKAGES, "builtins.", "prefect.exceptions.")
+# The keys under which Prefect's JSON decoder imports a module by the name it finds (serializers.py
+# prefect_json_object_decoder), and the packages each may name.
+IMPORTING_KEYS = {"__class__": RESULT_PACKAGES, "__exc_type__": EXCEPTION_PACKAGES}
 
 
 def encode_result_object(obj: Any) -> Any:
@@ -50,13 +56,16 @@ class RefusedResult(ValueError):
     """A persisted result that this project did not write the way it writes them."""
 
 
-def _classes(value: Any) -> list[str]:
-    """Every `__class__` that a decoded JSON result names, at any depth."""
+def _foreign_names(value: Any) -> list[str]:
+    """Every class or exception type that a decoded JSON result names, at any depth, outside the packages its key
+    may name (a name that is not a string counts too)."""
     if isinstance(value, dict):
-        named = [value["__class__"]] if isinstance(value.get("__class__"), str) else []
-        return named + [name for item in value.values() for name in _classes(item)]
+        named = [repr(value[key]) if not isinstance(value[key], str) else value[key] for key, allowed in
+                 IMPORTING_KEYS.items() if key in value and not (isinstance(value[key], str)
+                                                                 and value[key].startswith(allowed))]
+        return named + [name for item in value.values() for name in _foreign_names(item)]
     if isinstance(value, list):
-        return [name for item in value for name in _classes(item)]
+        return [name for item in value for name in _foreign_names(item)]
     return []
 
 
@@ -79,7 +88,7 @@ def check_result_record(content: bytes, path: str) -> None:
             decoded = json.loads(decoded["result"])
         except (TypeError, ValueError) as error:
             raise RefusedResult(f"result {path}: its result is not JSON ({error})") from None
-    foreign = [name for name in _classes(decoded) if not name.startswith(RESULT_PACKAGES)]
+    foreign = _foreign_names(decoded)
     if foreign:
         raise RefusedResult(f"result {path}: names classes outside this project ({', '.join(sorted(set(foreign)))})")
 

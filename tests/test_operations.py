@@ -228,6 +228,43 @@ def test_results_are_refused_inside_the_workspace(monkeypatch, tmp_path):
     assert get_settings().result_storage == str(tmp_path / "results")
 
 
+def test_a_result_naming_an_exception_type_outside_the_project_python_and_prefect_is_refused(monkeypatch, tmp_path):
+    """Prefect rebuilds a failed task's exception from `__exc_type__`, importing the module it names: a planted
+    result naming a module of its choice ran that module's code on the worker. The check refuses it; the exception
+    types results hold (this project's, Python's, Prefect's) pass."""
+    import sys
+
+    from prefect.results import ResultRecord, ResultRecordMetadata
+
+    from tasks.results import RESULT_SERIALIZER, RefusedResult, check_result_record
+
+    marker = tmp_path / "planted-module-ran"
+    (tmp_path / "planted_module.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Boom(Exception): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def record(error: BaseException) -> bytes:
+        return ResultRecord(result=error, metadata=ResultRecordMetadata(serializer=RESULT_SERIALIZER,
+                                                                        storage_key="k")).serialize()
+
+    from tasks.run_stage import StageError
+
+    for error in (ValueError("boom"), StageError("stage sft: failed")):
+        check_result_record(record(error), "a-result")
+    planted = record(ValueError("boom")).replace(b"builtins.ValueError", b"planted_module.Boom")
+    with pytest.raises(RefusedResult, match="planted_module.Boom"):
+        check_result_record(planted, "a-result")
+    bare = b'{"steps": [{"__exc_type__": "planted_module.Boom", "message": "x"}]}'  # a flow's bare result
+    with pytest.raises(RefusedResult, match="planted_module.Boom"):
+        check_result_record(bare, "a-result")
+    with pytest.raises(RefusedResult, match="7"):
+        check_result_record(b'{"__exc_type__": 7, "message": "x"}', "a-result")
+    assert not marker.exists()
+    # What the check stands between: Prefect's own decoding of that record imports the planted module.
+    ResultRecord.deserialize(planted)
+    assert marker.exists()
+    sys.modules.pop("planted_module", None)
+
+
 class HalfOpenJobsApi:
     """An HTTP server that answers the client's version check, then accepts every other request and never
     answers: a Jobs API behind a connection that died half-open."""
