@@ -220,13 +220,18 @@ def global_loss_scale(engine, ring_size: int = 1) -> float:
 # ---------------------------------------------------------------- checkpoints
 #
 # <ckpt_path>/step00000050/<tag>/   one DeepSpeed checkpoint per trained model (tag "model", or "actor"/"critic")
-#                                    with every rank's RNG state beside it
+#                                    with every rank's RNG state beside it, and SHA256SUMS.rank<r>.json: the sha256 of
+#                                    each file DeepSpeed may unpickle (its loads use torch.load(weights_only=False)),
+#                                    checked before it loads any
 # <ckpt_path>/latest_step.json      the newest complete step, written last (a crash mid-save leaves the previous one)
 # <ckpt_path>/fingerprint.json      what the checkpoints trained: stage, config fields that change training, the
 #                                    content of its datasets; a run that does not match may not resume from them
 
 LATEST_MARKER = "latest_step.json"
 FINGERPRINT_FILE = "fingerprint.json"
+CHECKSUMS_GLOB = "SHA256SUMS.rank*.json"
+# Files of a checkpoint this project reads itself with torch.load(weights_only=True): no code runs from them.
+READ_WEIGHTS_ONLY = ("rng_rank*.pt", "ema.pt")
 
 
 class NonFiniteLossError(StageInputError):
@@ -344,6 +349,62 @@ def save_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, client_state
     engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
     torch.save(rng_state(), directory / tag / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
+    _record_checksums(directory / tag)
+
+
+def _unpickled_files(folder: Path) -> list[str]:
+    """The files of a model's checkpoint folder that DeepSpeed may unpickle, relative and sorted."""
+    return sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()
+                  and not path.match(CHECKSUMS_GLOB) and not any(path.match(name) for name in READ_WEIGHTS_ONLY))
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_checksums(folder: Path) -> None:
+    """Each rank hashes its share of the checkpoint's files (round robin), so that 8 ranks hash an 8B model's
+    optimizer states in an eighth of the time, and writes them as SHA256SUMS.rank<r>.json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sums = {rel: _sha256(folder / rel) for i, rel in enumerate(_unpickled_files(folder)) if i % world == rank}
+    tmp = folder / f".SHA256SUMS.rank{rank}.tmp"
+    tmp.write_text(json.dumps(sums, indent=0))
+    os.replace(tmp, folder / f"SHA256SUMS.rank{rank}.json")
+    dist.barrier()
+
+
+def _verify_checksums(folder: Path) -> None:
+    """Before DeepSpeed unpickles anything: the folder holds exactly the files the checksums list, each with its
+    recorded sha256 (every rank checks its share, then all learn what any found). A file planted in the workspace
+    (which every run of the stage key shares) could otherwise run code on resume."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recorded: dict[str, str] = {}
+    problems: list[str] = []
+    for path in sorted(folder.glob(CHECKSUMS_GLOB)):
+        try:
+            recorded.update(json.loads(path.read_text()))
+        except ValueError as error:
+            problems.append(f"{path.name} unreadable ({error})")
+    files = _unpickled_files(folder)
+    if not recorded and not problems:
+        problems.append("no checksums (written by an older version, or not by this project)")
+    else:
+        problems += [f"{rel}: not in the checksums" for rel in sorted(set(files) - set(recorded))]
+        problems += [f"{rel}: missing" for rel in sorted(set(recorded) - set(files))]
+        problems += [f"{rel}: sha256 differs from the one recorded when it was written" for i, rel in enumerate(files)
+                     if i % world == rank and rel in recorded and _sha256(folder / rel) != recorded[rel]]
+    found: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(found, problems)
+    problems = sorted({problem for share in found for problem in share})
+    if problems:
+        raise StageInputError(f"checkpoint {folder} is not as written, nothing of it was loaded: {'; '.join(problems)}"
+                              "; resume from another --ckpt_path or start fresh")
 
 
 def commit_checkpoint(ckpt_dir: str | os.PathLike, step: int, max_keep: int) -> None:
@@ -364,6 +425,7 @@ def commit_checkpoint(ckpt_dir: str | os.PathLike, step: int, max_keep: int) -> 
 def load_checkpoint(engine, ckpt_dir: str | os.PathLike, step: int, tag: str = "model") -> dict:
     """Restore one model's engine and this rank's RNG state from `step`; returns the client state."""
     directory = step_dir(ckpt_dir, step)
+    _verify_checksums(directory / tag)
     _, client_state = engine.load_checkpoint(str(directory), tag=tag)
     set_rng_state(load_rng_state(directory / tag / f"rng_rank{dist.get_rank()}.pt"))
     return client_state or {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -89,3 +90,55 @@ def test_the_rng_state_round_trips_through_weights_only_and_a_planted_pickle_is_
     with pytest.raises(StageInputError, match="not an RNG state this project writes"):
         load_rng_state(path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_planted_checkpoint_pickle_is_refused_before_deepspeed_loads_anything(assets, one_deepspeed_rank, tmp_path,
+                                                                                zero_stage):
+    """DeepSpeed loads model and optimizer states with torch.load(weights_only=False): a file replaced or added in
+    the workspace (shared by every run of the stage key) ran its code on resume. Each file's sha256 is recorded
+    when saved; a replaced file, a file added where DeepSpeed's loader looks, or a checkpoint without checksums is
+    refused, naming the file, before any is loaded."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages import engine as ds
+
+    cfg = SimpleNamespace(zero_stage=zero_stage, bf16=False, max_norm=1.0, adam_offload=False,
+                          gradient_checkpointing=False, lr_scheduler="constant", lr_warmup_ratio=0.0,
+                          adam_betas=(0.9, 0.95), l2=0.0)
+    ds_config = ds.deepspeed_config(cfg, world_size=1, train_batch_size=1, micro_batch_size=1)
+    model = ds.load_for_zero(lambda: AutoModelForCausalLM.from_pretrained(assets["model"]), ds_config)
+    engine = ds.build_train_engine(model, cfg, ds_config, learning_rate=1e-3, total_steps=2)
+    ckpt = tmp_path / "ckpt"
+    ds.save_checkpoint(engine, ckpt, 1, {"history": [1.0]})
+    folder = ds.step_dir(ckpt, 1) / "model"
+    recorded = json.loads((folder / "SHA256SUMS.rank0.json").read_text())
+    states = sorted(name for name in recorded if name.endswith("_states.pt"))
+    assert states and "rng_rank0.pt" not in recorded
+    assert ds.load_checkpoint(engine, ckpt, 1)["history"] == [1.0]
+
+    marker = tmp_path / "planted-code-ran"
+    original = (folder / states[0]).read_bytes()
+    torch.save({"module": Planted(marker)}, folder / states[0])
+    with pytest.raises(StageInputError, match=f"nothing of it was loaded: {re.escape(states[0])}: sha256 differs"):
+        ds.load_checkpoint(engine, ckpt, 1)
+    assert not marker.exists()
+    (folder / states[0]).write_bytes(original)
+    extra = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # where DeepSpeed's ZeRO loader globs
+    torch.save({"optimizer_state_dict": Planted(marker)}, extra)
+    with pytest.raises(StageInputError, match=f"{re.escape(extra.name)}: not in the checksums"):
+        ds.load_checkpoint(engine, ckpt, 1)
+    extra.unlink()
+    for sums in folder.glob("SHA256SUMS.rank*.json"):
+        sums.unlink()
+    with pytest.raises(StageInputError, match="no checksums"):
+        ds.load_checkpoint(engine, ckpt, 1)
+    assert not marker.exists()
+    # What the check stands between: DeepSpeed itself unpickles a replaced states file.
+    torch.save({"module": Planted(marker)}, folder / states[0])
+    with pytest.raises(Exception):
+        engine.load_checkpoint(str(ds.step_dir(ckpt, 1)), tag="model")
+    assert marker.exists()
