@@ -148,9 +148,12 @@ def _peak_above(fn) -> int:
 
 
 # (vocabulary, hidden, MLP width, attention heads, key/value heads): Llama-3's vocabulary makes the logits the larger
-# term; with 512 entries the recomputed layer is, at MLP widths of 2.75 to 4 times the hidden size.
+# term; with 512 entries the recomputed layer is, at MLP widths of 2.75 to 4 times the hidden size; four layers of
+# Llama-3-8B's own width.
 PLAN_SHAPES = {"llama3-vocab": (128_256, 1024, 2816, 8, 4), "small-vocab": (512, 1024, 2816, 8, 4),
-               "wide-mlp": (512, 1024, 4096, 8, 2), "wider-model": (512, 2048, 5632, 16, 8)}
+               "wide-mlp": (512, 1024, 4096, 8, 2), "wider-model": (512, 2048, 5632, 16, 8),
+               "llama3-8b-layers": (128_256, 4096, 14_336, 32, 8),
+               "llama3-8b-layers-small-vocab": (512, 4096, 14_336, 32, 8)}
 
 
 @pytest.mark.parametrize("name", list(PLAN_SHAPES))
@@ -358,6 +361,16 @@ def _zero3_losses(sleep_after: set[int], steps: int) -> tuple[list[float], dict]
                 "awake_gib": awake / GIB, "asleep_gib": asleep / GIB, "freed_gib": (awake - asleep) / GIB,
                 "reloaded_gib": torch.cuda.memory_allocated() / GIB, "offload_s": offload_s,
                 "reload_s": time.perf_counter() - started})
+    if sleep_after:  # a checkpoint of the slept run: checksums recorded and checked over NCCL, then loaded
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as ckpt:
+            started = time.perf_counter()
+            ds.save_checkpoint(engine, ckpt, steps, {"losses": losses})
+            memory["checkpoint_save_s"] = time.perf_counter() - started
+            started = time.perf_counter()
+            memory["checkpoint_loaded"] = ds.load_checkpoint(engine, ckpt, steps)["losses"] == losses
+            memory["checkpoint_load_s"] = time.perf_counter() - started
     engine.destroy()
     del engine, model
     torch.cuda.empty_cache()
@@ -368,7 +381,9 @@ def test_zero3_sleep_offloads_fused_adam_states_and_training_goes_on_unchanged()
     """stages/engine.py on one GPU under ZeRO-3 and bf16, as --deepspeed_enable_sleep runs it: DeepSpeed builds
     FusedAdam from optimizer_section (ZeRO-3's offload_states accepts no other), offload_training_states frees at least
     the fp32 master weights and Adam's two moments (12 bytes a parameter), reload_states brings them back, and the
-    losses of a run that sleeps after every step equal those of one that never sleeps."""
+    losses of a run that sleeps after every step equal those of one that never sleeps; its checkpoint's checksums are
+    recorded and checked over NCCL before it loads. TORCH_CUDA_ARCH_LIST is left as the machine sets it
+    (build_train_engine makes an arch-specific entry readable for DeepSpeed's JIT build)."""
     deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here")
     import socket
 
@@ -391,3 +406,4 @@ def test_zero3_sleep_offloads_fused_adam_states_and_training_goes_on_unchanged()
     assert abs(first["reloaded_gib"] - first["awake_gib"]) <= 0.05 * first["awake_gib"], results
     assert sleeping[-1] < sleeping[0], results  # it learns the fixed batch
     assert sleeping == pytest.approx(awake, rel=1e-3), results
+    assert memory["checkpoint_loaded"], results
