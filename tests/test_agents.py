@@ -139,6 +139,15 @@ def test_the_calculator_agent_answers_tool_calls_and_rewards_the_final_answer():
     assert calculator.calculate("12 * (3 + 4)") == "84" and calculator.calculate("7 // 2") == "3"
     for unsafe in ('__import__("os").system("true")', "().__class__", "x + 1", "9 ** 9 ** 9", "[1] * 10"):
         assert calculator.calculate(unsafe).startswith("error:"), unsafe
+    # A call of 489 characters whose product has 4481 digits, which Python refuses to write as a string (it crashed
+    # the stage): the model is told it is too large.
+    product = "*".join(["10**64"] * 70)
+    with pytest.raises(ValueError, match="4300 digits"):
+        str(10 ** (64 * 70))
+    assert len(product) == 489 and calculator.calculate(product) == "error: the result has more than 4096 bits"
+    assert calculator.calculate(" * ".join(["10 ** 64"] * 19)) == "1" + "0" * 1216  # 4040 bits: written back
+    assert calculator.calculate("-(2 ** 64) ** 64").startswith("error:")
+    assert calculator.calculate("9" * 5000).startswith("error:")  # a literal past the limit itself
 
     call, answer = "<calculator>3+4</calculator>", f"Answer: 7{EOS_TOKEN}"
     [episode], _ = episodes("configs/agents/calculator.py", {PROMPT: [call, answer]}, max_length=96)

@@ -17,7 +17,8 @@ CALL = re.compile(r"<calculator>(.*?)</calculator>", re.DOTALL)
 ANSWER = re.compile(r"(?:Answer:\s*|\\boxed\{)\s*(-?[\d.,]+)")
 MAX_CALLS = 4
 MAX_POWER = 64  # exponents above this are refused: 9 ** 9 ** 9 would hang the stage
-MAX_BITS = 4096  # and so are powers of more bits: ((10 ** 64) ** 64) ** 64 would too
+MAX_BITS = 4096  # and so is any integer of more bits: ((10 ** 64) ** 64) ** 64 would hang it too, and a product of
+# many powers could not even be written back (Python refuses int-to-string conversions of over 4300 digits)
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
              ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -25,17 +26,22 @@ OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mu
 
 def calculate(expression: str) -> str:
     """The value of an arithmetic expression, or an error text the model sees instead."""
+    def bounded(result):
+        if isinstance(result, int) and result.bit_length() > MAX_BITS:
+            raise ValueError(f"the result has more than {MAX_BITS} bits")
+        return result
+
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](value(node.operand))
+            return bounded(OPERATORS[type(node.op)](value(node.operand)))
         if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Pow) and (abs(right) > MAX_POWER or (
                     isinstance(left, int) and abs(left) > 1 and abs(left).bit_length() * abs(right) > MAX_BITS)):
                 raise ValueError(f"{left} ** {right} is too large")
-            return OPERATORS[type(node.op)](left, right)
+            return bounded(OPERATORS[type(node.op)](left, right))
         raise ValueError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
 
     try:
