@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import re
 
 from pydantic import BaseModel
 
@@ -102,10 +103,16 @@ def png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 
 
+# Markdown punctuation that makes links, images, emphasis and code out of model-written text, escaped with a backslash.
+_MARKUP = re.compile(r"([\\|\[\]()!*_`#~])")
+
+
 def _escaped(text: object, limit: int = 200) -> str:
-    """A table cell: pipes and markup escaped, line breaks shown as ⏎, long texts cut (answers are model output)."""
-    flat = (str(text).replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace("\r", "")
-            .replace("\n", " ⏎ "))
+    """A table cell: markup escaped (answers are model output: an image written as markdown would be fetched from
+    anywhere by whoever opens the report, a link would be clickable), HTML's `<` as text, URLs broken for
+    autolinking by a zero-width space after the scheme, line breaks shown as ⏎, long texts cut."""
+    flat = _MARKUP.sub(r"\\\1", str(text)).replace("<", "&lt;").replace("\r", "").replace("\n", " ⏎ ")
+    flat = re.sub(r"(?i)(://|www\.)", lambda m: m.group(1)[0] + "\u200b" + m.group(1)[1:], flat)
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 

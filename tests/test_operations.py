@@ -73,6 +73,25 @@ def test_report_table_has_a_production_column_only_when_production_was_scored():
     assert "| kl_mean | 0.0312 | – | – |" in table
 
 
+def test_model_written_markdown_in_the_report_renders_as_text_never_as_an_image_or_a_link():
+    """Answers are model output: a markdown image in one was fetched by the browser of whoever opened the report (a
+    beacon to any host), a link was clickable, a bare URL autolinked."""
+    from markdown_it import MarkdownIt
+
+    from pipeline.report import samples_table
+
+    answer = ("![x](http://203.0.113.9/beacon.png) [claim here](https://evil.example/p) <img src=x> www.evil.example "
+              "**bold** `code` | 7")
+    samples = [{"prompt": "What is 3 + 4? ![p](http://203.0.113.9/p.png)", "label": "7", "model": model,
+                "response": answer, "reward": 1.0} for model in ("policy", "reference")]
+    table = samples_table(samples)
+    html = MarkdownIt("commonmark").enable("table").render(table)
+    assert "<table>" in html and html.count("<tr>") == 2  # the header and one prompt: the pipe stayed in its cell
+    assert "<img" not in html and "<a " not in html and "<code>" not in html, html
+    assert "**bold**" in html and "<strong>(reward 1.0000)</strong>" in html  # the report's own markup stays
+    assert "203.0.113.9/beacon.png" in html and "http:\u200b//" in html and "w\u200bww.evil.example" in html
+
+
 def test_learning_curve_is_a_png_of_the_history():
     history = [{"step": s, "reward": s / 10, "kl": s / 100, "response_length": 4.0} for s in range(1, 6)]
     assert learning_curve_png(history, "tiny/rl v1").startswith(b"\x89PNG\r\n\x1a\n")
