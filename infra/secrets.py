@@ -65,6 +65,19 @@ def url_credentials(url: str) -> list[str]:
     return found
 
 
+def url_credentials_refusal(flag: str, spec: str) -> str | None:
+    """Why the HTTP URLs of a flag's value (comma-separated) may not be used, naming the flag and each URL redacted,
+    or None: credentials in a URL would be copied into logs, manifests, checkpoint fingerprints and the UI."""
+    found = [(part, what) for part in spec.split(",") if part.strip().startswith(("http://", "https://"))
+             and (what := url_credentials(part.strip()))]
+    if not found:
+        return None
+    named = "; ".join(f"{redact_patterns(part.strip())} ({', '.join(what)})" for part, what in found)
+    return (f"{flag} {named}: credentials in the URL are refused: they would be copied into logs, manifests and the "
+            "UI. Put the Authorization header value in an environment variable of the Ray nodes and name it with "
+            "--remote_rm_auth_env")
+
+
 class Redactor:
     """Replaces the values of the secret variables of an environment (default: this process's) and the secret
     patterns in texts."""

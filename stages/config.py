@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from infra.secrets import url_credentials_refusal
 from stages.fields import (
     LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, RUN_OVERRIDE_KEEPING_CHECKPOINTS, Dataset, GpuOnly,
     ModelPath,
@@ -52,7 +53,9 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Validation errors never repeat the input: a config holds URLs and paths that may carry credentials, and the
+    # errors reach logs, flow run states and the UI.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
 
 # ---------------------------------------------------------------- fields repeated with stage-specific defaults
@@ -445,6 +448,13 @@ class PromptConfig(StageConfig):
         None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI; a comma-separated list "
         "mixes several (RL: see --prompt_data_probs)",
     )
+
+    @model_validator(mode="after")
+    def _no_credentials_in_reward_urls(self):
+        # Refused here, before the stage writes anything (its checkpoint folder's fingerprint holds the config).
+        if self.remote_rm_url and (refusal := url_credentials_refusal("--remote_rm_url", self.remote_rm_url)):
+            raise ValueError(refusal)
+        return self
     prompt_split: str = Field("train", description="split of --prompt_data to read (a single file is the split itself)")
     input_key: str = Field(
         "input", description="dataset column holding the prompt: text, or chat messages (needs --apply_chat_template)",

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from infra.secrets import is_secret_name, redact_patterns, url_credentials
+from infra.secrets import is_secret_name, redact_patterns, url_credentials_refusal
 from infra.net import is_loopback
 from stages.errors import StageInputError
 
@@ -255,12 +255,8 @@ def load_reward_source(spec: str, timeout_s: float = 180.0, auth_env: str | None
     Authorization header), or a Python file defining reward_func."""
     parts = [part.strip() for part in spec.split(",") if part.strip()]
     if parts and all(part.startswith(("http://", "https://")) for part in parts):
-        for url in parts:
-            if found := url_credentials(url):
-                raise StageInputError(
-                    f"--remote_rm_url {redact_patterns(url)}: credentials in the URL are refused ({', '.join(found)}): "
-                    "they would be copied into logs, manifests and the UI. Put the Authorization header value in "
-                    "an environment variable of the Ray nodes and name it with --remote_rm_auth_env")
+        if refusal := url_credentials_refusal("--remote_rm_url", spec):  # the config refuses it first
+            raise StageInputError(refusal)
         if auth_env:
             for url in parts:
                 if url.startswith("http://") and not is_loopback(urllib.parse.urlsplit(url).hostname or ""):

@@ -172,11 +172,21 @@ def test_endpoints_authenticate_with_a_header_from_a_variable_never_from_the_con
 
 @pytest.mark.parametrize("url", ["http://user:CANARY-pw@127.0.0.1:1/r", "http://127.0.0.1:1/r?token=CANARY-tok",
                                  "http://127.0.0.1:1/r,https://h/r?api_key=CANARY-key"])
-def test_urls_with_credentials_are_refused_without_showing_them(url):
+def test_urls_with_credentials_are_refused_without_showing_them(url, tmp_path, capsys):
     with pytest.raises(ValueError, match="credentials in the URL are refused") as refused:
         load_reward_source(url)
     assert "CANARY" not in str(refused.value) and "--remote_rm_auth_env" in str(refused.value)
     assert isinstance(refused.value, StageInputError)
+    # The stage's flags are refused the same way, before its checkpoint folder's fingerprint could store the URL.
+    from stages.cli import parse_stage_args
+    from stages.registry import STAGES
+
+    with pytest.raises(SystemExit) as stopped:
+        parse_stage_args(STAGES["rl"], ["--config", "tiny", "--pretrain", "m", "--prompt_data", "p.jsonl",
+                                        "--remote_rm_url", url, "--ckpt_path", str(tmp_path / "ckpt")])
+    assert stopped.value.code == 2 and not (tmp_path / "ckpt").exists()
+    said = capsys.readouterr()
+    assert "credentials in the URL are refused" in said.err and "CANARY" not in said.err + said.out
 
 
 def test_a_redirect_is_not_followed_and_the_credentials_stay_with_the_endpoint(servers, monkeypatch):
