@@ -131,11 +131,26 @@ class RedactingStream:
         return getattr(self.target, name)
 
 
-def redact_streams(redactor: Redactor | None = None) -> None:
-    """Redact everything this process prints from here on (its stdout and stderr, and what Ray's log monitor
-    prints there for the process's actors)."""
+def redact_streams(redactor: Redactor | None = None, *, outermost: bool = False) -> None:
+    """Redact everything this process prints from here on: its stdout and stderr, what Ray's log monitor prints
+    there for the process's actors, and the loggers that hold the streams themselves (Ray's, DeepSpeed's, vLLM's:
+    their handlers took sys.stdout or sys.stderr when the package was imported, before this ran). `outermost`:
+    redact again above whatever now wraps the streams (W&B's console capture patches the stream it finds, and would
+    record what it is given before the redaction under it)."""
+    import logging
+
     redactor = redactor or Redactor()
-    if not isinstance(sys.stdout, RedactingStream):
-        sys.stdout = RedactingStream(sys.stdout, redactor)
-    if not isinstance(sys.stderr, RedactingStream):
-        sys.stderr = RedactingStream(sys.stderr, redactor)
+    swapped = {}
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if outermost or not isinstance(stream, RedactingStream):
+            setattr(sys, name, RedactingStream(stream, redactor))
+        redacting = getattr(sys, name)
+        for raw in (redacting.target, getattr(sys, f"__{name}__")):
+            swapped[id(raw)] = redacting
+    loggers = [logging.getLogger(), *(item for item in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(item, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in swapped:
+                handler.setStream(swapped[id(handler.stream)])

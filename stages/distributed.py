@@ -56,8 +56,10 @@ class RankWorker:
     """Base class of every rank actor: sets up the process as one torch.distributed rank."""
 
     def __init__(self, rank: int, world_size: int, device: str, threads: int = 1):
+        from infra.secrets import redact_streams
         from stages.tracking import silence_known_noise
 
+        redact_streams()  # the actor's own log files on its node, not only what reaches the driver
         silence_known_noise()
         self.rank = rank
         self.world_size = world_size

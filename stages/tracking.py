@@ -185,7 +185,7 @@ def _start_wandb(stage: str, cfg):
     """
     import wandb
 
-    from infra.secrets import Redactor
+    from infra.secrets import Redactor, redact_streams
 
     online = bool(os.environ.get("WANDB_API_KEY")) and os.environ.get("WANDB_MODE") != "offline"
     directory = wandb_dir(cfg)  # W&B adds its own wandb/ folder
@@ -195,8 +195,10 @@ def _start_wandb(stage: str, cfg):
     if not online:
         print(f"[{stage}] W&B offline (no WANDB_API_KEY): run files in {directory}; upload with `wandb sync`",
               flush=True)
-    return wandb.init(
+    run = wandb.init(
         project=cfg.wandb_project, name=cfg.wandb_run_name or stage, id=run_id, resume="allow",
         dir=str(directory), mode="online" if online else "offline", settings=wandb.Settings(quiet=True),
         config=Redactor().data(cfg.model_dump(mode="json")),
     )
+    redact_streams(outermost=True)  # W&B's console capture records what reaches it: redacted first
+    return run

@@ -4,6 +4,7 @@ and test_crashes.)"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -164,6 +165,34 @@ def test_a_stream_redacts_whole_lines_even_when_a_secret_arrives_in_pieces():
     assert target.getvalue() == "token [redacted HF_TOKEN] and http://[redacted]@h/\n"
     stream.flush()
     assert target.getvalue().endswith("next ")
+
+
+def test_loggers_that_took_the_streams_before_redaction_are_redacted_too():
+    """DeepSpeed's and Ray's loggers keep the stream they were given when imported, before a stage process starts
+    redacting: their lines went out with secrets in them. A process that imports them first, then redacts, then
+    logs through them and prints."""
+    import subprocess
+    import sys
+
+    script = (
+        "import logging, sys\n"
+        "import deepspeed, ray\n"
+        "from deepspeed.utils import logger as ds_logger\n"
+        "from infra.secrets import Redactor, redact_streams\n"
+        f"redact_streams(Redactor({{'HF_TOKEN': {CANARY!r}}}))\n"
+        f"ds_logger.warning('deepspeed says ' + {CANARY!r})\n"
+        "ray_logger = logging.getLogger('ray')\n"
+        "ray_logger.addHandler(logging.StreamHandler(sys.__stderr__)) if not ray_logger.handlers else None\n"
+        f"ray_logger.warning('ray says ' + {CANARY!r})\n"
+        f"print('print says', {CANARY!r}, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-2000:]
+    for source in ("deepspeed says", "ray says", "print says"):
+        assert f"{source} [redacted HF_TOKEN]" in output, (source, output[-2000:])
+    assert CANARY not in output
 
 
 def test_the_local_ray_head_listens_on_loopback_unless_told_otherwise(monkeypatch):
@@ -351,19 +380,32 @@ def test_crash_retries_are_counted_since_the_run_was_last_scheduled_by_hand():
     assert automatic_retries_in_a_row(history) == 0
 
 
-def test_wandb_files_stay_outside_the_output_and_its_config_is_redacted(tmp_path, monkeypatch):
-    from stages.evaluate.config import EvaluateConfig
-    from stages.tracking import StepLog
+def test_wandb_files_stay_outside_the_output_and_its_config_and_console_are_redacted(tmp_path):
+    """A stage process as it runs (its streams redacted, a secret in its environment and in its config) with W&B:
+    nothing of W&B lands in the committed output, and neither the config W&B records nor its console capture holds
+    the secret."""
+    import subprocess
+    import sys
 
-    for name in ("WANDB_API_KEY", "WANDB_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     output = tmp_path / "output"
-    cfg = EvaluateConfig(save_path=str(output), use_wandb=True, remote_rm_url=f"http://u:{CANARY}@rm.internal/r")
-    log = StepLog("evaluate", cfg, total_steps=1)
-    log.log(1, {"step": 1, "reward": 0.5})
-    log.close()
+    script = (
+        "from infra.secrets import redact_streams\n"
+        "redact_streams()\n"
+        "from stages.evaluate.config import EvaluateConfig\n"
+        "from stages.tracking import StepLog\n"
+        f"cfg = EvaluateConfig(save_path={str(output)!r}, use_wandb=True, input_key={CANARY!r})\n"
+        "log = StepLog('evaluate', cfg, total_steps=1)\n"
+        f"print('the stage prints', {CANARY!r}, flush=True)\n"
+        "log.log(1, {'step': 1, 'reward': 0.5})\n"
+        "log.close()\n"
+    )
+    env = {**os.environ, "HF_TOKEN": CANARY, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None), env.pop("WANDB_DIR", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
     written = {path: path.read_bytes() for path in (tmp_path / "output.wandb").rglob("*") if path.is_file()}
     assert written and not output.exists()  # nothing of W&B in what is committed as the artifact
     assert [path for path, data in written.items() if CANARY.encode() in data] == []
+    console = [data for path, data in written.items() if b"the stage prints" in data]
+    assert console and all(b"[redacted HF_TOKEN]" in data for data in console)  # captured, redacted
