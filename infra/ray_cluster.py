@@ -287,6 +287,7 @@ class LocalRayHead:
                 self.stop()
                 raise RayClusterError(f"local Ray head did not start ({' '.join(command)}):\n{log_tail}")
             time.sleep(0.5)
+        os.chmod(self._temp_dir, 0o700)  # Ray makes its temp folder world-writable (0o777) on start: ours alone
         self.address = address
         self.gcs_address = f"{_url_host(client_host)}:{ports.gcs}"
         return address

@@ -237,6 +237,8 @@ def test_a_heads_ports_are_distinct_and_a_start_that_lost_one_retries_on_fresh_p
     try:
         with LocalRayHead(num_cpus=1) as head:
             assert len(picks) == 2 and head.gcs_address.endswith(f":{picks[1].gcs}")
+            # Ray made its temp folder world-writable; the head's own processes alone may use it.
+            assert os.stat(head.record().temp_dir).st_mode & 0o777 == 0o700
     finally:
         taken.close()
 
