@@ -105,6 +105,27 @@ def test_a_failed_rollout_reaches_the_trainer():
         queue.take(2)
 
 
+def test_a_stuck_producer_fails_the_trainer_after_the_stall_timeout_instead_of_holding_it_forever():
+    from stages.rl.rollout_queue import STALL_TIMEOUT_S, RolloutStalled
+
+    hung = threading.Event()
+
+    def produce(step: int, version: int) -> str:
+        if step == 1:
+            hung.wait()  # an engine that never answers
+        return f"rollout {step}"
+
+    queue = RolloutQueue(produce, first=0, last=4, queue_size=2, stall_timeout_s=0.3).start()
+    assert queue.take(0) == "rollout 0"
+    started = time.monotonic()
+    with pytest.raises(RolloutStalled, match="no rollout produced for 0.3 s while waiting for the rollout of step 1"):
+        queue.take(1)
+    with pytest.raises(RolloutStalled, match="step 2, the last rollout due from policy version 0"):
+        queue.update_weights(None)
+    assert time.monotonic() - started < 5 and STALL_TIMEOUT_S == 3600
+    hung.set()
+
+
 def test_with_partial_rollout_a_weight_update_lands_between_two_segments_of_a_response():
     first_segment_done, synced = threading.Event(), threading.Event()
 

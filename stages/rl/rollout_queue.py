@@ -23,6 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 
+# How long the trainer waits for the producer's next rollout before it calls the producer stuck: far beyond one
+# rollout of a large model, so that a hung engine fails the stage (retried) instead of holding its GPUs until the
+# stage deadline.
+STALL_TIMEOUT_S = 3600.0
+
+
+class RolloutStalled(RuntimeError):
+    """The producer made no rollout for longer than the queue's stall timeout."""
+
+
 class RolloutQueue:
     """The rollouts of steps first..last-1, `queue_size` (at least 1) steps ahead of training.
 
@@ -31,9 +41,10 @@ class RolloutQueue:
     """
 
     def __init__(self, produce: Callable[[int, int], Any], first: int, last: int, queue_size: int,
-                 ready: list | None = None, partial: bool = False):
+                 ready: list | None = None, partial: bool = False, stall_timeout_s: float = STALL_TIMEOUT_S):
         assert queue_size >= 1, "synchronous training takes its rollouts on demand (RolloutsOnDemand)"
         self.produce, self.first, self.last, self.queue_size = produce, first, last, queue_size
+        self.stall_timeout_s = stall_timeout_s
         self.partial = partial
         self._engines = threading.Lock()  # held by one generation segment or one weight update
         self._update_waiting = False  # a weight update goes before the next segment (a lock alone is not fair)
@@ -74,11 +85,19 @@ class RolloutQueue:
                 self.error = error
                 self._changed.notify_all()
 
+    def _wait_for(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait (holding the condition) until `ready()`; RolloutStalled when the producer made nothing meanwhile
+        for `stall_timeout_s`."""
+        if not self._changed.wait_for(ready, timeout=self.stall_timeout_s):
+            raise RolloutStalled(f"--async_train: no rollout produced for {self.stall_timeout_s:g} s while waiting "
+                                 f"for {what} (the producer is at step {self.next_step}): a rollout engine or the "
+                                 "reward source is stuck")
+
     def take(self, step: int) -> Any:
         """The rollout of `step` (None: the prompts ran out), waiting for the producer if needed."""
         started = time.perf_counter()
         with self._changed:
-            self._changed.wait_for(lambda: step in self.ready or self.error is not None)
+            self._wait_for(lambda: step in self.ready or self.error is not None, f"the rollout of step {step}")
             self.waited += time.perf_counter() - started
             if step not in self.ready:
                 raise self.error
@@ -111,7 +130,8 @@ class RolloutQueue:
             return
         with self._changed:
             last_due = min(self.version + self.queue_size, self.last - 1)
-            self._changed.wait_for(lambda: self.next_step > last_due or self.finished or self.error is not None)
+            self._wait_for(lambda: self.next_step > last_due or self.finished or self.error is not None,
+                           f"step {last_due}, the last rollout due from policy version {self.version}")
             if self.error is not None:
                 raise self.error
             if sync is not None:
