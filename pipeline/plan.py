@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from infra.artifacts import ArtifactError, open_store
+from infra.artifacts import ArtifactError, ChecksumError, open_store
 from infra.secrets import Redactor, redact_patterns, url_credentials
 from infra.settings import PROJECT_ROOT, Settings
 from pipeline.config import PipelineConfig, policy_stage, shape_inputs
@@ -288,6 +288,13 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
         if store is not None and stage not in unpinned and all(result is not None for result in upstream.values()):
             key = stage_identity(config.name, stage, section, upstream, stage_code_version(settings, stage)).key
             existing = store.find_by_stage_key(stage, key)
+            if existing is not None:
+                try:
+                    store.verify_for_reuse(existing)
+                except ChecksumError as damage:  # the stage's task quarantines it and builds it again
+                    notes.append(f"{stage}: committed v{existing.version} is damaged ({damage}): it will be "
+                                 "quarantined and built again")
+                    existing = None
             if existing is not None:
                 reused = existing.version
                 results[stage] = StageResult.from_manifest(existing, reused=True)

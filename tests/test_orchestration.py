@@ -354,7 +354,8 @@ SHAPE_RUNS = ("sft-dpo", "dpo", "sft-kto", "kto", "sft-rl", "rl", "rm-rl", "sft-
 
 @pytest.fixture(scope="module")
 def shape_runs(prefect_server, ray_address, tmp_path_factory):
-    """The flow on the tiny preset in every shape, toy stages doing the work; then "dpo" once more, unchanged."""
+    """The flow on the tiny preset in every shape, toy stages doing the work; then "dpo" once more, unchanged, and
+    once more after its DPO version was damaged."""
     tmp = tmp_path_factory.mktemp("shapes")
     client = job_client(ray_address)
     runs = {}
@@ -365,7 +366,10 @@ def shape_runs(prefect_server, ray_address, tmp_path_factory):
                             "RLHF_POLL_INTERVAL_S": "0.3", "RLHF_MAX_RETRIES": "0"}.items():  # fmt: skip
             env.setenv(name, value)
         env.delenv("RLHF_ARTIFACT_ROOT", raising=False)
-        for run, shape in [*((shape, shape) for shape in SHAPE_RUNS), ("dpo again", "dpo")]:
+        for run, shape in [*((shape, shape) for shape in SHAPE_RUNS), ("dpo again", "dpo"), ("dpo damaged", "dpo")]:
+            if run == "dpo damaged":  # a disk gone bad under the version the unchanged night reused
+                damaged = Path(runs["dpo again"]["state"].result().stages["dpo"].uri.removeprefix("file:"))
+                (damaged / "result.json").write_text('{"value": -1}')
             config = load_pipeline_config("tiny", {"artifact_root": str(tmp / "artifacts"),
                                                    "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape})
             jobs_before = len(client.list_jobs())
@@ -428,6 +432,19 @@ def test_an_unchanged_run_reuses_every_stage_without_a_job(shape_runs):
     first = shape_runs["runs"]["dpo"]["state"].result()
     assert result.stages == {name: stage.model_copy(update={"reused": True}) for name, stage in first.stages.items()}
     assert not result.promotion.promoted and result.promotion.production_version == 1
+
+
+def test_a_night_after_a_reused_version_was_damaged_quarantines_it_and_completes(shape_runs):
+    """The plan finds the damage before it decides that nothing runs (so the night has its Ray cluster), the task
+    quarantines the version and commits the job's output again: the night completes on an intact DPO version."""
+    damaged = shape_runs["runs"]["dpo again"]["state"].result().stages["dpo"]
+    state = shape_runs["runs"]["dpo damaged"]["state"]
+    assert state.is_completed(), state.message
+    rebuilt = state.result().stages["dpo"]
+    assert not rebuilt.reused and rebuilt.version > damaged.version and rebuilt.digest == damaged.digest
+    store = open_store(shape_runs["root"], "tiny")
+    assert list(store.quarantined("dpo")) == [damaged.version]
+    store.verify(store.get("dpo", rebuilt.version))
 
 
 # ---------------------------------------------------------------------------------------------- what a run trusts
