@@ -92,7 +92,8 @@ def start_writer(root: str, stage: str, source: Path, tag: str, log_dir: Path, g
     return proc, log_dir / f"{tag}.log"
 
 
-def wait_for_line(log: Path, marker: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+def wait_for_line(log: Path, marker: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    # Four writers importing the store at once beside the suite's other worker can take over a minute on 2 cores.
     deadline = time.monotonic() + timeout_s
     while marker not in log.read_text():
         if proc.poll() is not None:
@@ -313,7 +314,7 @@ def test_concurrent_writers_get_distinct_versions(store_root, tmp_path):
         wait_for_line(log, "ready", proc)
     go_file.touch()  # release all writers at once
     for proc, log, _ in writers.values():
-        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert proc.wait(timeout=180) == 0, log.read_text()
 
     store = open_store(store_root, "pipe")
     assert store.versions("sft") == [1, 2, 3, 4]
