@@ -790,7 +790,8 @@ class ArtifactStore:
                 self.log(f"artifact store: skipping unreadable {stage} v{version:04d}: {error}")
 
     def find_by_stage_key(self, stage: str, stage_key: str) -> Manifest | None:
-        """Newest committed manifest with this stage key (for idempotent re-runs), quarantined ones left out, or None."""
+        """Newest committed manifest with this stage key (for idempotent re-runs), quarantined ones left out, or
+        None."""
         quarantined = self.quarantined(stage)
         return next((m for m in self.readable(stage, newest_first=True)
                      if m.stage_key == stage_key and m.version not in quarantined), None)  # fmt: skip
@@ -823,10 +824,7 @@ class ArtifactStore:
         if self.is_local:
             self.verify(manifest)
             return
-        _check_digest(manifest)
-        fs, path = self._fs_for(manifest.uri)
-        fs.invalidate_cache()
-        found = self._retrying(f"listing of {manifest.uri}", lambda: fs.find(path, detail=True))
+        _, path, found = self._stored(manifest)
         sizes = {name[len(path) + 1:]: info.get("size") for name, info in found.items()}
         for rel, entry in manifest.files.items():
             if rel not in sizes:
@@ -874,13 +872,17 @@ class ArtifactStore:
             except FileNotFoundError:
                 raise ChecksumError(f"{manifest.uri}/{rel}: missing from the copy in {local}") from None
 
-    def verify(self, manifest: Manifest) -> None:
-        """Re-hash the stored files; raises ChecksumError naming the first file that differs, a file the manifest
-        does not list, or a symlink in the version folder."""
+    def _stored(self, manifest: Manifest) -> tuple[Any, str, dict[str, dict]]:
+        """(filesystem, path, {stored path: info} of files and folders) of a version, its digest checked first."""
         _check_digest(manifest)
         fs, path = self._fs_for(manifest.uri)
         fs.invalidate_cache()
-        found = self._retrying(f"listing of {manifest.uri}", lambda: fs.find(path, detail=True, withdirs=True))
+        return fs, path, self._retrying(f"listing of {manifest.uri}", lambda: fs.find(path, detail=True, withdirs=True))
+
+    def verify(self, manifest: Manifest) -> None:
+        """Re-hash the stored files; raises ChecksumError naming the first file that differs, a file the manifest
+        does not list, or a symlink in the version folder."""
+        fs, path, found = self._stored(manifest)
         links = sorted(name for name, info in found.items() if info.get("islink"))
         if links:
             raise ChecksumError(f"{manifest.uri}: symlinks in the version folder: "

@@ -29,8 +29,8 @@ peaks at 12h + 2kv + 6I per token with a gated MLP (what autograd saves: the two
 outputs, q, k, v, the attention's output and o_proj's input, gate, up, silu(gate) and their product, 11h + 2kv + 4I;
 then the backward's gradients of the MLP's tensors and the hidden state) and 12h + 2kv + 3I with two matrices;
 without checkpointing every layer keeps that. A forward without gradients holds one layer at a time: 4h + 3I
-(gated) or 4h + 2I. Measured on an H200 against torch.cuda.max_memory_allocated (tests/test_gpu.py, within 15% on
-Llama shapes of I/h 2.75 to 4 with grouped heads).
+(gated) or 4h + 2I. Measured on an H200 against torch.cuda.max_memory_allocated (tests/test_gpu.py: 0.98 to 1.06 of
+the plan on Llama shapes of I/h 2.75 to 4 with grouped heads, Llama-3-8B's width among them; the test allows 15%).
 
 Logits (stages/algorithms.py computes log-probs and entropy in chunks of positions): the model's forward gives
 bf16 logits, tokens·V·2 bytes (the head does not upcast: transformers' LlamaForCausalLM.forward); without
@@ -88,8 +88,8 @@ class ModelShape:
     gated_mlp: bool = False  # gate, up and down matrices (Llama) rather than two
 
     def layer_values(self, grad: bool) -> int:
-        """Values per token one decoder layer holds at its peak (ACTIVATIONS above): its recomputation and backward
-        under gradient checkpointing, or a forward without gradients."""
+        """Values per token one decoder layer holds at its peak (the module docstring's activations): its
+        recomputation and backward under gradient checkpointing, or a forward without gradients."""
         h, inner, kv = self.hidden, self.intermediate or 4 * self.hidden, self.kv_width or self.hidden
         if grad:
             return 12 * h + 2 * kv + (6 if self.gated_mlp else 3) * inner

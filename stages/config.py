@@ -448,13 +448,6 @@ class PromptConfig(StageConfig):
         None, description="prompt dataset: hub name, local json/jsonl/parquet or s3:// URI; a comma-separated list "
         "mixes several (RL: see --prompt_data_probs)",
     )
-
-    @model_validator(mode="after")
-    def _no_credentials_in_reward_urls(self):
-        # Refused here, before the stage writes anything (its checkpoint folder's fingerprint holds the config).
-        if self.remote_rm_url and (refusal := url_credentials_refusal("--remote_rm_url", self.remote_rm_url)):
-            raise ValueError(refusal)
-        return self
     prompt_split: str = Field("train", description="split of --prompt_data to read (a single file is the split itself)")
     input_key: str = Field(
         "input", description="dataset column holding the prompt: text, or chat messages (needs --apply_chat_template)",
@@ -540,6 +533,9 @@ class PromptConfig(StageConfig):
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
+        # Refused with the config, before the stage writes anything (its checkpoint fingerprint holds the config).
+        if self.remote_rm_url and (refusal := url_credentials_refusal("--remote_rm_url", self.remote_rm_url)):
+            problems.append(refusal)
         if self.agent_func_path:
             others = [f"--{flag}" for flag in ("remote_rm_url", "reward_pretrain") if getattr(self, flag)]
             if others:

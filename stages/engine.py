@@ -361,11 +361,8 @@ def _unpickled_files(folder: Path) -> list[str]:
 def _sha256(path: Path) -> str:
     import hashlib
 
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _record_checksums(folder: Path) -> None:

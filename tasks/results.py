@@ -60,9 +60,11 @@ def _foreign_names(value: Any) -> list[str]:
     """Every class or exception type that a decoded JSON result names, at any depth, outside the packages its key
     may name (a name that is not a string counts too)."""
     if isinstance(value, dict):
-        named = [repr(value[key]) if not isinstance(value[key], str) else value[key] for key, allowed in
-                 IMPORTING_KEYS.items() if key in value and not (isinstance(value[key], str)
-                                                                 and value[key].startswith(allowed))]
+        named = []
+        for key, allowed in IMPORTING_KEYS.items():
+            name = value.get(key)
+            if key in value and not (isinstance(name, str) and name.startswith(allowed)):
+                named.append(name if isinstance(name, str) else repr(name))
         return named + [name for item in value.values() for name in _foreign_names(item)]
     if isinstance(value, list):
         return [name for item in value for name in _foreign_names(item)]
