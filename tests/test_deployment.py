@@ -139,16 +139,21 @@ def marked_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
+def command_of(process: psutil.Process) -> str:
+    """The process's command line; "" once it has exited or is a zombie no one reaps."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def wait_for_no_ray_processes(marker: str, timeout_s: float = 30) -> list[str]:
     """Ray processes of the run still alive after `timeout_s` (a stopped head's workers exit within seconds)."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = []
         for process in marked_processes(marker):
-            try:
-                command = " ".join(process.cmdline())
-            except psutil.Error:
-                continue
+            command = command_of(process)
             if "gcs_server" in command or "raylet" in command or command.startswith("ray::"):
                 left.append(command[:100])
         if not left or time.monotonic() > deadline:
@@ -344,7 +349,7 @@ def operated_run(stack, moto_s3, tmp_path_factory, test_output_dir):
 
         # SFT: kill a rank actor after the first checkpoint.
         wait_until(lambda: checkpoint_step(workspace, "sft") >= 5, "SFT's first checkpoint", 900)
-        ranks = [p for p in marked_processes(marker) if p.cmdline() and p.cmdline()[0].startswith("ray::SFTWorker")]
+        ranks = [p for p in marked_processes(marker) if command_of(p).startswith("ray::SFTWorker")]
         assert ranks, "no SFT rank actor found"
         ranks[-1].send_signal(signal.SIGKILL)
         record["rank_killed_after_step"] = checkpoint_step(workspace, "sft")
@@ -415,8 +420,10 @@ def operated_run(stack, moto_s3, tmp_path_factory, test_output_dir):
             stop_process(worker)
         proxy.stop()
         # Whatever a failure left behind: the heads of the run and their processes.
+        # command_of: a process listed may have exited since, or be a zombie nobody reaps (killed with its parent);
+        # the clean-up must never hide the failure that brought the test here.
         for process in marked_processes(marker):
-            if "prefect server" in " ".join(process.cmdline()):
+            if "prefect server" in command_of(process):
                 continue
             try:
                 process.send_signal(signal.SIGKILL)
