@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -31,6 +32,7 @@ from pipeline.report import ReportResult
 from tasks.run_stage import artifact_key
 
 POLL_S = 5
+PAUSE_MARGIN_S = 3600  # how much later than the run's own deadline the server's pause timeout falls
 
 
 class Approval(RunInput):
@@ -38,6 +40,32 @@ class Approval(RunInput):
 
     approve: bool = Field(description="promote the candidate to production")
     comment: str = Field("", description="why (kept with the decision)")
+
+
+class Deadline(threading.Thread):
+    """Answers the paused run's form with a rejection once `timeout_s` passed without a person's answer (resumed
+    through Prefect's own API, as `python -m flows.approval --reject` does); tried again until it lands or stop()."""
+
+    def __init__(self, flow_run_id: UUID, timeout_s: float, why: str):
+        super().__init__(name="approval-deadline", daemon=True)
+        self.flow_run_id, self.timeout_s, self.why = flow_run_id, timeout_s, why
+        self.answered = False
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        if self._stopped.wait(self.timeout_s):
+            return
+        while not self._stopped.is_set():
+            try:
+                resume_flow_run(self.flow_run_id, run_input={"approve": False, "comment": self.why})
+                self.answered = True
+                return
+            except Exception:  # noqa: BLE001 - not paused yet, or the server away for a moment: try again
+                self._stopped.wait(POLL_S)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.join(timeout=30)
 
 
 def report_link(report: ReportResult) -> str:
@@ -62,13 +90,21 @@ def await_approval(decision: PromotionDecision, report: ReportResult, gate: Prom
     form = Approval.with_initial_data(description=approval_request(decision, report, gate), approve=False)
     logger.info(f"waiting up to {gate.approval_timeout_s:.0f} s for a person to approve {decision.stage} "
                 f"v{decision.version} (the run's page in the UI, or python -m flows.approval <flow-run-id>)")
+    why = f"no approval within {gate.approval_timeout_s:.0f} s: rejected"
+    deadline = Deadline(get_run_context().flow_run.id, gate.approval_timeout_s, why)
+    deadline.start()
     try:
-        answer = pause_flow_run(wait_for_input=form, timeout=max(1, int(gate.approval_timeout_s)), key=key,
+        # The server fails a pause that outlives its timeout (and refuses to resume it): the run's own deadline
+        # answers first, so the run never shows a failure for what is a rejection.
+        answer = pause_flow_run(wait_for_input=form, timeout=int(gate.approval_timeout_s) + PAUSE_MARGIN_S, key=key,
                                 poll_interval=POLL_S)
-    except FlowPauseTimeout:
-        why = f"no approval within {gate.approval_timeout_s:.0f} s: rejected"
+    except FlowPauseTimeout:  # the deadline's answer never landed (the server unreachable for the whole margin)
         with get_client(sync_client=True) as client:  # back to Running, so that the rest of the run can end it
             client.set_flow_run_state(get_run_context().flow_run.id, Running(message=why), force=True)
+        answer = Approval(approve=False, comment=why)
+    finally:
+        deadline.stop()
+    if deadline.answered and not answer.approve:
         logger.warning(f"{decision.stage} v{decision.version}: {why}")
         return decision.rejected(why).model_copy(update={"approval": why})
     said = f"{'approved' if answer.approve else 'rejected'}" + (f": {answer.comment}" if answer.comment else "")
