@@ -28,7 +28,13 @@ up to `retry_for_s`; each step is safe to repeat, so an outage in the middle of 
 partial version. What a killed writer leaves behind (a `_staging/` entry, a claimed version directory without a
 manifest) is invisible to readers and removed once older than `staging_grace_s`, by the next commit of that
 stage or by `python -m infra.artifacts gc <root>`; each leftover is looked at again just before it is removed, and
-no grace below `min_staging_grace_s` is accepted (a live upload must never be taken for a leftover).
+no grace below `min_staging_grace_s` is accepted (a live upload must never be taken for a leftover). A writer
+paused for longer than the grace, whose claimed folder another writer's clean-up took meanwhile, finds its files
+gone before (or just after) its manifest is written, and commits nothing.
+
+On a local store a commit is flushed to disk in order (the files, the folders they moved into, the manifest and its
+folder) before it returns, and the committed files are made read-only; on S3 a PUT is durable once it returns, and
+object lock on the bucket is the operator's.
 
     python -m infra.artifacts list <root> <pipeline>
     python -m infra.artifacts verify <root> <pipeline> [--stage STAGE]
@@ -49,7 +55,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -258,6 +264,14 @@ def _hash_source_tree(source: Path) -> dict[str, FileEntry]:
     if not files:
         raise ArtifactError(f"cannot commit {source}: no files")
     return files
+
+
+def _folders_of(version_path: str, files: Iterable[str]) -> list[str]:
+    """The version's folder and every folder under it on the way to one of `files`, deepest first."""
+    parts = [rel.split("/")[:-1] for rel in files]
+    folders = {version_path} | {"/".join([version_path, *part[:depth]]) for part in parts
+                                for depth in range(1, len(part) + 1)}  # fmt: skip
+    return sorted(folders, key=lambda folder: -folder.count("/"))
 
 
 def read_metrics(source: Path) -> dict:
@@ -517,16 +531,22 @@ class ArtifactStore:
                 [str(source / rel) for rel in files],
                 [f"{staging}/{rel}" for rel in files],
             ))
+            self._sync_local(f"{staging}/{rel}" for rel in files)
             version = self._claim_version(stage_path)
             version_path = self._version_path(stage, version)
             for rel in files:
                 self._move(f"{staging}/{rel}", f"{version_path}/{rel}")
+            self._sync_local(_folders_of(version_path, files))  # the moves, before the manifest that names them
             manifest = draft.model_copy(update={
                 "version": version,
                 "uri": self._uri(version_path),
                 "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             })
+            self._check_files_kept(version_path, files, "before its manifest is written")
             self._write_atomic(stage_path, f"{version_path}/{MANIFEST_NAME}", manifest.model_dump_json(indent=2))
+            self._check_files_kept(version_path, files, "after its manifest was written",
+                                   manifest_path=f"{version_path}/{MANIFEST_NAME}")
+            self._make_read_only(version_path, [*files, MANIFEST_NAME])
         finally:
             self._remove(staging)
         self._collect_stage_garbage(stage, self.staging_grace_s)
@@ -574,7 +594,58 @@ class ArtifactStore:
         """Replace ``path`` in one step: a local rename, or a single S3 copy (PUT) of a finished object."""
         tmp = f"{stage_path}/{STAGING}/{uuid.uuid4().hex}.json"
         self._retrying(f"write of {self._uri(tmp)}", lambda: self.fs.pipe_file(tmp, text.encode()))
+        self._sync_local([tmp])
         self._move(tmp, path)
+        self._sync_local([path.rsplit("/", 1)[0]])
+
+    def _sync_local(self, paths: Iterable[str]) -> None:
+        """On a local store, flush files (their data) or folders (the names moved into them) to disk: a power loss
+        after a commit returned must not leave a manifest whose files were still in the page cache. S3 holds an
+        object durably once its PUT returned."""
+        if not self.is_local:
+            return
+        for path in paths:
+            try:
+                descriptor = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # taken by a clean-up while this writer was paused: _check_files_kept names it
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+
+    def _check_files_kept(self, version_path: str, files: dict[str, FileEntry], when: str,
+                          manifest_path: str | None = None) -> None:
+        """Every file of the version at its size. A writer paused for longer than the grace period (a suspended
+        VM, a stopped process) may have lost its claimed folder to another writer's clean-up, which takes a folder
+        without a manifest for a dead writer's: then no manifest may stand for files that are gone. Looked at on
+        both sides of the manifest's write, as the clean-up may have been under way; a manifest already written is
+        removed again (readers would refuse it anyway: its files are missing)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self._retrying(f"listing of {self._uri(version_path)}", lambda: self.fs.find(version_path,
+                                                                                                   detail=True))
+        except FileNotFoundError:
+            found = {}
+        sizes = {name[len(version_path) + 1:]: info.get("size") for name, info in found.items()}
+        lost = sorted(rel for rel, entry in files.items() if sizes.get(rel) != entry.size)
+        if not lost:
+            return
+        if manifest_path is not None:
+            self._remove(manifest_path)
+        raise ArtifactError(
+            f"commit of {self._uri(version_path)}: {len(lost)} of its files are gone {when} ({', '.join(lost[:3])}): "
+            f"the writer was paused for longer than the store's grace of {self.staging_grace_s:g}s and another "
+            "writer's clean-up took its folder for a dead writer's; nothing was committed, commit again")
+
+    def _make_read_only(self, version_path: str, names: Iterable[str]) -> None:
+        """On a local store, a committed version's files lose their write permission: a process that opens one for
+        writing by mistake (a stage saving into its input model) fails instead of changing a committed version.
+        Their folders stay writable, so that removing a store is a plain `rm -r`. On S3, object lock on the bucket
+        is the operator's to set (README)."""
+        if self.is_local:
+            for name in names:
+                os.chmod(f"{version_path}/{name}", 0o444)
 
     def _remove(self, path: str) -> None:
         """Best effort: what cannot be removed now is a leftover for the next clean-up."""
@@ -710,6 +781,7 @@ class ArtifactStore:
                 f.write(body)
 
         self._retrying(f"create of {self._uri(path)}", create)
+        self._sync_local([path, path.rsplit("/", 1)[0]])  # a claim, an alias move: kept across a power loss
 
     # ---- reading -----------------------------------------------------------------------------------------
     def _numbers_in(self, pattern: str) -> list[int]:

@@ -404,6 +404,52 @@ def test_commit_cleans_leftovers_older_than_the_grace_period(store_root, tmp_pat
     assert impatient.versions("sft") == [1, 2]
 
 
+def test_a_writer_paused_past_the_grace_period_commits_nothing(store_root, tmp_path):
+    """The writer stops with its files in the version folder it claimed, before the manifest; meanwhile another
+    writer's commit takes that folder (no manifest, nothing changed for longer than the grace) for a dead writer's
+    and removes it. The paused writer, back, must not write a manifest standing for files that are gone."""
+    paused = ArtifactStore(store_root, "pipe", staging_grace_s=2, min_grace_s=0, log=lambda message: None)
+    other = ArtifactStore(store_root, "pipe", paused.storage_options, staging_grace_s=2, min_grace_s=0,
+                          log=lambda message: None)
+    source = make_source(tmp_path / "paused", "paused")
+    move, moved = paused._move, []
+
+    def move_then_pause(src: str, dst: str) -> None:
+        move(src, dst)
+        moved.append(dst)
+        if len(moved) == len(tree_bytes(source)):  # every file in v0001, its manifest not yet written
+            time.sleep(3.5)  # past the grace (S3 times have a resolution of a second)
+            other.commit("sft", make_source(tmp_path / "other", "other"), config={})
+
+    paused._move = move_then_pause
+    with pytest.raises(ArtifactError, match=r"v0001: 5 of its files are gone before its manifest is written"):
+        paused.commit("sft", source, config={})
+    assert other.versions("sft") == [2]  # v0001 was collected and never got a manifest
+    other.verify(other.get("sft", 2))
+
+
+def test_a_local_commit_is_flushed_to_disk_and_read_only(tmp_path, monkeypatch):
+    """Every file's data, then the folders the files were moved into, then the manifest and its folder reach the
+    disk before commit returns; the committed files cannot be opened for writing."""
+    store = open_store(str(tmp_path / "artifacts"), "pipe")
+    synced: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    manifest = store.commit("sft", make_source(tmp_path / "src", "a"), config={})
+    version = Path(store._version_path("sft", 1))
+    stage = version.parent
+    assert synced[5:7] == [str(stage / "_claims" / "v0001.json"), str(stage / "_claims")]
+    staged, (*moved, manifest_tmp, manifest_folder) = synced[:5], synced[7:]
+    assert sorted(path.split("/_staging/")[1].split("/", 1)[1] for path in staged) == sorted(manifest.files)
+    assert moved == [str(version / "tokenizer"), str(version)]  # deepest first, before the manifest
+    assert manifest_tmp.startswith(str(stage / "_staging")) and manifest_folder == str(version)
+    for rel in [*manifest.files, MANIFEST_NAME]:
+        assert (version / rel).stat().st_mode & 0o777 == 0o444, rel
+    store.verify(manifest)
+    assert store.download(manifest, tmp_path / "copy").joinpath("weights-0.bin").stat().st_mode & 0o200  # a copy is
+    # the reader's own, writable
+
+
 # ---------------------------------------------------------------------------------------------- what reading checks
 
 def stored_path(store, manifest, rel: str = "") -> str:
