@@ -7,8 +7,8 @@
 - the Ray resources each stage asks for, against what the cluster offers;
 - which stages would be reused: a committed artifact with the same stage key (config, inputs, data content, code);
 - the schema of every dataset, checked on its first PLAN_ROWS rows;
-- every hub dataset pinned to the revision the hub names now (`org/name#<sha>` in the plan's config, which the flow
-  runs: the revision fingerprinted is the one the job reads);
+- every hub dataset and hub model pinned to the revision the hub names now (`org/name#<sha>` in the plan's config,
+  which the flow runs: the revision in the stage key is the one the job reads);
 - reward sources: no credentials in endpoint URLs (an Authorization header comes from --remote_rm_auth_env), reward
   files only from the project or RLHF_REWARD_DIRS (a reward file is code every node runs).
 
@@ -16,9 +16,9 @@ A problem (a dataset that cannot be read or fails its schema, a stage asking mor
 store that cannot be read) fails the plan with a message naming the stage and field. The flow runs the same checks
 as its first task, against the cluster it is about to use. Run by hand without RLHF_RAY_ADDRESS, the plan compares
 with this machine, the embedded Ray head's, and only notes what would not fit (a GPU preset planned on a laptop).
-A hub dataset is checked and pinned when the hub answers (look-ups retried); without hub access the plan by hand
-lists it as not checked and gives that stage no key, and the flow's plan fails, to be retried: a revision it cannot
-tell never stands in for one. What the plan shows is redacted (infra/secrets.py).
+A hub dataset or model is checked and pinned when the hub answers (look-ups retried); without hub access the plan by
+hand lists it as not checked and gives that stage no key, and the flow's plan fails, to be retried: a revision it
+cannot tell never stands in for one. What the plan shows is redacted (infra/secrets.py).
 """
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ from pipeline.prepare import prepare
 from stages.cli import flag_words
 from stages.config import StageConfig
 from stages.errors import DataValidationError, StageInputError
-from stages.fields import Dataset, Launcher, Output, RewardSource, fields_with, names_with
+from stages.fields import Dataset, Launcher, ModelPath, Output, RewardSource, fields_with, names_with
 from stages.fingerprint import (
     HubUnavailable,
     dataset_fingerprint,
     mixture_parts,
+    pin_hub_model,
     pin_hub_revision,
+    split_revision,
     unpinned_hub_dataset,
 )
 from stages.placement import bundle_resources, group_bundles
@@ -89,7 +91,7 @@ class StagePlan(BaseModel):
     key: str | None  # None while an earlier stage would run (its output decides this key), or a revision is unknown
     reused_version: int | None
     datasets: list[DatasetCheck]
-    unpinned: bool = False  # a hub dataset whose revision could not be told: no key
+    unpinned: bool = False  # a hub dataset or model whose revision could not be told: no key
     memory: list[str] = []  # the per-GPU memory table (RL on GPUs)
 
 
@@ -220,7 +222,7 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
     parts = [(field, role, source) for field, role in datasets if values[field]
              for source in mixture_parts(values[field])]  # a mixture: each of its datasets
     for field, role, source in parts:
-        if unpinned_hub_dataset(source):  # pin_hub_datasets could not tell its revision and said so
+        if unpinned_hub_dataset(source):  # pin_hub_sources could not tell its revision and said so
             checks.append(DatasetCheck(field=field, source=source, fingerprint=f"hub:{source}@unknown",
                                        schema_check=f"not checked: {HUB_UNREACHABLE}"))
             continue
@@ -250,7 +252,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
     cluster = cluster_resources(ray_address, settings, local_binding=local_binding)
     problems: list[str] = []
     notes: list[str] = []
-    config, unpinned = pin_hub_datasets(config, problems, notes, must_pin=cluster.binding)
+    config, unpinned = pin_hub_sources(config, problems, notes, must_pin=cluster.binding)
     check_reward_sources(config, settings, problems)
     check_gate_sample(config, notes, problems)
     wiring = shape_inputs(config.shape)
@@ -317,21 +319,25 @@ def check_gate_sample(config: PipelineConfig, notes: list[str], problems: list[s
                         "be promoted")
 
 
-def pin_hub_datasets(config: PipelineConfig, problems: list[str], notes: list[str], *, must_pin: bool,
-                     ) -> tuple[PipelineConfig, set[str]]:  # fmt: skip
-    """`config` with every hub dataset of its stages pinned to its current revision, and the stages left with one
-    it could not pin: a problem where the run is about to start (`must_pin`), a note for a plan made by hand."""
+def pin_hub_sources(config: PipelineConfig, problems: list[str], notes: list[str], *, must_pin: bool,
+                    ) -> tuple[PipelineConfig, set[str]]:  # fmt: skip
+    """`config` with every hub dataset and hub model of its stages pinned to its current revision (a model field
+    that an earlier stage's output fills is left alone), and the stages left with one it could not pin: a problem
+    where the run is about to start (`must_pin`), a note for a plan made by hand."""
     unpinned: set[str] = set()
     sections = {}
+    wiring = shape_inputs(config.shape)
     for stage in config.stages:
         section = config.section(stage)
+        pins = {field: pin_hub_revision for field in fields_with(type(section), Dataset)}
+        pins |= {field: pin_hub_model for field in fields_with(type(section), ModelPath) if field not in wiring[stage]}
         values = {}
-        for field in fields_with(type(section), Dataset):
+        for field, pin in pins.items():
             source = getattr(section, field)
             if not source:
                 continue
             try:
-                values[field] = pin_hub_revision(source)
+                values[field] = pin(source)
             except HubUnavailable as error:
                 unpinned.add(stage)
                 (problems if must_pin else notes).append(
@@ -395,7 +401,8 @@ def model_shape(source: str) -> ModelShape:
     else:
         from huggingface_hub import hf_hub_download
 
-        text = Path(hf_hub_download(source, "config.json")).read_text()
+        name, revision = split_revision(source)
+        text = Path(hf_hub_download(name, "config.json", revision=revision)).read_text()
     return ModelShape.from_config(json.loads(text))
 
 

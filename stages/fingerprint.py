@@ -8,6 +8,7 @@
   the plan makes of a hub name) is that revision, without asking the hub; an unpinned one is looked up, the
   look-up retried while the hub fails transiently, and a look-up that keeps failing raises HubUnavailable rather
   than standing in for a revision (a fingerprint that changes with the hub's health would change the stage key).
+  The plan pins hub models the same way (`pin_hub_model`): the pinned name is in the stage's config, so its key.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ HUB_RETRY_S = 4.0  # three look-ups, 1 s and 2 s apart: a hub blip passes, a mac
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
 # "org/name#<revision>": a hub dataset pinned to a revision of its repository
 _REVISION = re.compile(r"^(?P<name>[^#]+)#(?P<revision>[\w.-]+)$")
+# "org/name" or "name": a hub repository id (a model field's value that is no path)
+_HUB_REPOSITORY = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 logger = logging.getLogger(__name__)
 
 
 class HubUnavailable(SourceUnavailable):
-    """The hub did not tell a dataset's revision (no network, an outage): the run cannot pin what it would read."""
+    """The hub did not tell a dataset's or a model's revision (no network, an outage): the run cannot pin what it
+    would read."""
 
 
 def mixture_parts(source: str) -> list[str]:
@@ -132,20 +136,41 @@ def _s3_fingerprint(uri: str) -> str:
     return f"s3:{digest.hexdigest()[:32]}"
 
 
+def hub_model_name(value: str) -> str | None:
+    """The hub repository a model field names (its pin left out), or None for a local folder, a file:// or s3://
+    URI and a path that merely does not exist yet."""
+    if "://" in value or Path(value).expanduser().exists() or value.startswith(("/", "./", "../", "~")):
+        return None
+    name = split_revision(value)[0]
+    return name if _HUB_REPOSITORY.match(name) else None
+
+
+def pin_hub_model(value: str) -> str:
+    """A hub model name pinned to the revision the hub names now (`org/name#<sha>`, what the job then downloads);
+    anything else, and a name pinned already, unchanged. HubUnavailable when the hub does not answer."""
+    name = hub_model_name(value)
+    if name is None or split_revision(value)[1] is not None:
+        return value
+    return f"{name}#{hub_revision(name, kind='model')}"
+
+
 @cache
-def hub_revision(name: str) -> str:
-    """The commit sha of hub dataset `name`, looked up again while the hub fails transiently (HUB_RETRY_S).
-    HubUnavailable when it cannot be told; StageInputError when the hub answers that there is no such dataset."""
+def hub_revision(name: str, kind: str = "dataset") -> str:
+    """The commit sha of hub repository `name` (a "dataset" or a "model"), looked up again while the hub fails
+    transiently (HUB_RETRY_S). HubUnavailable when it cannot be told; StageInputError when the hub answers that
+    there is no such repository."""
     from infra.artifacts import StoreUnreachable, retrying
 
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise HubUnavailable(f"hub dataset {name}: its revision cannot be looked up offline (HF_HUB_OFFLINE)")
+    offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if kind == "dataset" else ("HF_HUB_OFFLINE",)
+    if any(os.environ.get(variable) == "1" for variable in offline):
+        raise HubUnavailable(f"hub {kind} {name}: its revision cannot be looked up offline ({offline[0]})")
     from huggingface_hub import HfApi
 
+    info = HfApi().dataset_info if kind == "dataset" else HfApi().model_info
     try:
-        return retrying(f"revision look-up of hub dataset {name}",
-                        lambda: HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S).sha, HUB_RETRY_S, logger.warning)
+        return retrying(f"revision look-up of hub {kind} {name}", lambda: info(name, timeout=HUB_TIMEOUT_S).sha,
+                        HUB_RETRY_S, logger.warning)
     except StoreUnreachable as error:
-        raise HubUnavailable(f"hub dataset {name}: {error}") from error
+        raise HubUnavailable(f"hub {kind} {name}: {error}") from error
     except OSError as error:  # the hub answered: no such repository, no access
-        raise StageInputError(f"hub dataset {name}: {type(error).__name__}: {error}") from error
+        raise StageInputError(f"hub {kind} {name}: {type(error).__name__}: {error}") from error

@@ -38,6 +38,7 @@ from infra.artifacts import (
 )
 from stages.errors import SourceUnavailable, StageInputError
 from stages.fields import ModelPath, fields_with
+from stages.fingerprint import hub_model_name, split_revision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -55,7 +56,8 @@ def resolve_model_path(name_or_uri: str | os.PathLike) -> str:
 
     Hub names and local paths come back unchanged, `file://` URIs as their path, and `s3://` prefixes are
     downloaded once into the model cache, keyed by the URI and every object's ETag and size, so a changed
-    model under the same URI is fetched again.
+    model under the same URI is fetched again. A hub name pinned to a revision (`org/name#<sha>`, as the plan pins
+    them) is that revision's snapshot in the hub cache, downloaded if it is not there.
     """
     name_or_uri = os.fspath(name_or_uri)
     if name_or_uri.startswith("file://"):
@@ -64,7 +66,27 @@ def resolve_model_path(name_or_uri: str | os.PathLike) -> str:
         if is_version_folder(name_or_uri):
             return str(_checked_s3_version(*open_version(name_or_uri, log=logger.warning), verify_cached=False))
         return str(_download_s3_dir(name_or_uri))
+    name, revision = split_revision(name_or_uri)
+    if revision is not None and hub_model_name(name_or_uri) is not None:
+        return _hub_snapshot(name, revision)
     return name_or_uri
+
+
+def _hub_snapshot(name: str, revision: str) -> str:
+    """The local folder of hub model `name` at `revision` (huggingface_hub's cache; offline, what it holds).
+    SourceUnavailable (exit 1, retried) while the hub fails; StageInputError (exit 2) when it answers that there
+    is no such model or revision."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return retrying(f"download of hub model {name}#{revision}",
+                        lambda: snapshot_download(name, revision=revision), StoreSettings().artifact_retry_s,
+                        logger.warning)
+    except (StoreUnreachable, LocalEntryNotFoundError) as error:  # down, or offline without it in the cache
+        raise SourceUnavailable(f"hub model {name}#{revision}: {error}") from error
+    except OSError as error:  # the hub answered: no such repository or revision, no access
+        raise StageInputError(f"hub model {name}#{revision}: {type(error).__name__}: {error}") from error
 
 
 def check_model_inputs(stage: str, cfg) -> None:

@@ -99,5 +99,6 @@ class FaultyEndpoint:
 
 
 def hub_answer(path: str) -> dict:
-    """The hub's answer to a dataset info request: its id and revision."""
-    return {"id": path.removeprefix("/api/datasets/").split("/revision/")[0], "sha": HUB_REVISION, "private": False}
+    """The hub's answer to a dataset or model info request: its id and revision."""
+    repository = path.removeprefix("/api/datasets/").removeprefix("/api/models/").split("/revision/")[0]
+    return {"id": repository, "sha": HUB_REVISION, "private": False}

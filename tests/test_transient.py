@@ -5,6 +5,7 @@ way the orchestration retries (exit 1); a refusal (403, 404) fails at once, neve
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import uuid
@@ -32,6 +33,23 @@ try:
     if operation == "pin":
         from stages.fingerprint import pin_hub_revision
         print(pin_hub_revision(source))
+    elif operation == "pin model":
+        from stages.fingerprint import pin_hub_model
+        print(pin_hub_model(source))
+    elif operation == "plan pins":
+        from pipeline.config import load_pipeline_config
+        from pipeline.plan import pin_hub_sources
+        config = load_pipeline_config("tiny").model_copy(deep=True)
+        config.sft.pretrain = config.reward_model.pretrain = source
+        pinned, unpinned = pin_hub_sources(config, [], [], must_pin=True)
+        print(pinned.sft.pretrain, pinned.reward_model.pretrain)
+    elif operation == "load model":
+        from stages.model_io import load_tokenizer, resolve_model_path
+        from transformers import AutoModelForCausalLM
+        local = resolve_model_path(source)
+        AutoModelForCausalLM.from_pretrained(local)
+        load_tokenizer(source)
+        print(local)
     else:
         from stages.data import load_rows
         load_rows(source)
@@ -131,9 +149,9 @@ def hub():
     endpoint.close()  # again, for a test that closed it already: harmless
 
 
-def run_on_hub(hub, tmp_path, operation: str, source: str) -> subprocess.CompletedProcess:
+def run_on_hub(hub, tmp_path, operation: str, source: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "RLHF_ARTIFACT_RETRY_S": str(RETRY_S), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+           "RLHF_ARTIFACT_RETRY_S": str(RETRY_S), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-c", HUB_OPERATION, operation, source], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
@@ -148,6 +166,35 @@ def test_a_hub_revision_look_up_is_retried_and_pins_the_revision(hub, tmp_path, 
         assert done.stdout.strip() == f"org/prompts#{HUB_REVISION}@test"
     if expected == 1:
         assert "HubUnavailable" in done.stdout  # never a fingerprint that stands in for the revision
+
+
+@pytest.mark.parametrize(("status", "times", "expected"), [(503, 2, 0), (503, None, 1), (404, None, 2)],
+                         ids=["blip", "outage", "no such model"])
+def test_a_hub_model_is_pinned_to_the_revision_the_hub_names(hub, tmp_path, status, times, expected):
+    hub.fail(status, times)
+    done = run_on_hub(hub, tmp_path, "pin model", "org/policy")
+    assert done.returncode == expected, done.stdout + done.stderr
+    if expected == 0:  # what the plan puts in the stage's config, so in its key
+        assert done.stdout.strip() == f"org/policy#{HUB_REVISION}"
+        # The plan pins the first stage's model; the reward model's is SFT's output in this shape: left alone.
+        planned = run_on_hub(hub, tmp_path, "plan pins", "org/policy")
+        assert planned.stdout.split() == [f"org/policy#{HUB_REVISION}", "org/policy"], planned.stdout + planned.stderr
+    if expected == 1:
+        assert "HubUnavailable" in done.stdout
+
+
+def test_a_pinned_hub_model_loads_that_revision_from_the_hub_cache_offline(hub, assets, tmp_path):
+    """A cluster without the hub but with its cache filled: `org/name#<sha>` is that snapshot; a revision the cache
+    does not hold fails retryably (exit 1), naming the model."""
+    snapshot = tmp_path / "hf-home" / "hub" / "models--org--policy" / "snapshots" / HUB_REVISION
+    shutil.copytree(assets["model"], snapshot)
+    hub.close()
+    offline = {"HF_HUB_OFFLINE": "1"}
+    done = run_on_hub(hub, tmp_path, "load model", f"org/policy#{HUB_REVISION}", offline)
+    assert done.returncode == 0 and done.stdout.strip().endswith(str(snapshot)), done.stdout + done.stderr
+    other = "f" * 40
+    done = run_on_hub(hub, tmp_path, "load model", f"org/policy#{other}", offline)
+    assert done.returncode == 1 and f"SourceUnavailable: hub model org/policy#{other}" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize(("status", "expected"), [(None, 1), (404, 2)], ids=["hub down", "no such dataset"])
