@@ -90,6 +90,8 @@ class PromotionGate(StrictModel):
     A comparison applies when the report has both of its metrics: accuracy needs a reward function
     (evaluate.remote_rm_url), reward_mean a reward model. At least one comparison with the reference must apply;
     the production comparisons apply when a production policy exists (it is scored on the same prompts).
+    With `decide_on_intervals` each comparison is judged on the bound of its 95% interval (the evaluation's paired
+    `<metric>_gain_vs_<model>_low` / `_high`) instead of the difference alone.
     """
 
     min_reward_gain: float = Field(
@@ -109,6 +111,12 @@ class PromotionGate(StrictModel):
     )
     max_accuracy_regression: float = Field(
         0.01, ge=0, description="tolerance against production: production_accuracy − accuracy may be at most this",
+    )
+    decide_on_intervals: bool = Field(
+        False,
+        description="judge each comparison on its 95% interval: a gain must pass with the interval's low end, a "
+        "regression against production must stay within tolerance at its high end (a difference within noise then "
+        "neither promotes a candidate nor replaces production); off: on the differences themselves",
     )
     require_approval: bool = Field(
         False,

@@ -24,6 +24,8 @@ from pipeline.identity import StageResult
 from pipeline.report import MODELS, metrics_by_model, metrics_table
 
 PRODUCTION_ALIAS = "production"
+# The evaluation's paired comparison of each metric the gate compares (stages/evaluate/run.py)
+GAIN_METRICS = {"accuracy": "accuracy_gain", "reward_mean": "reward_gain"}
 # Metrics are fractions and means in floating point: 0.51 - 0.50 must not exceed a tolerance of 0.01.
 ROUNDING = 1e-9
 
@@ -71,17 +73,28 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
 
     judged = metrics.get("prompts", 0)
     record(judged >= gate.min_prompts, f"judged on {judged} held-out prompts (needs >= {gate.min_prompts})")
+
+    def gain_over(name: str, other: str) -> tuple[float, float, str]:
+        """(the gain, what the gate judges: the gain or its interval's low end, how the line shows it)."""
+        gain = metrics[name] - metrics[f"{other}_{name}"]
+        bounds = [metrics.get(f"{GAIN_METRICS[name]}_vs_{other}{end}") for end in ("_low", "_high")]
+        if not gate.decide_on_intervals:
+            return gain, gain, f"{gain:+.4f}"
+        if None in bounds:
+            return gain, -math.inf, f"{gain:+.4f} without the interval decide_on_intervals needs"
+        return gain, bounds[0], f"{gain:+.4f}, 95% interval [{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
+
     comparisons = 0
     if "accuracy" in metrics and "reference_accuracy" in metrics:
         comparisons += 1
-        gain = metrics["accuracy"] - metrics["reference_accuracy"]
-        record(gain >= gate.min_accuracy_gain - ROUNDING,
-               f"accuracy gain over the reference {gain:+.4f} (needs >= {gate.min_accuracy_gain:+.4f})")
+        _, judged_gain, shown = gain_over("accuracy", "reference")
+        record(judged_gain >= gate.min_accuracy_gain - ROUNDING,
+               f"accuracy gain over the reference {shown} (needs >= {gate.min_accuracy_gain:+.4f})")
     if "reward_mean" in metrics and "reference_reward_mean" in metrics:
         comparisons += 1
-        gain = metrics["reward_mean"] - metrics["reference_reward_mean"]
-        record(gain > gate.min_reward_gain,
-               f"reward gain over the reference {gain:+.4f} (needs > {gate.min_reward_gain:+.4f})")
+        _, judged_gain, shown = gain_over("reward_mean", "reference")
+        record(judged_gain > gate.min_reward_gain,
+               f"reward gain over the reference {shown} (needs > {gate.min_reward_gain:+.4f})")
     if comparisons == 0:
         record(False, "report has neither accuracy nor reward_mean with their reference_ values")
 
@@ -91,10 +104,11 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
                                 ("reward_mean", gate.max_reward_regression)):  # fmt: skip
             if name in metrics and f"production_{name}" in metrics:
                 against_production += 1
-                regression = metrics[f"production_{name}"] - metrics[name]
-                record(regression <= tolerance + ROUNDING,
+                gain, judged_gain, shown = gain_over(name, "production")
+                record(-judged_gain <= tolerance + ROUNDING,
                        f"{name} {metrics[name]:.4f} vs production v{production_version} "
-                       f"{metrics[f'production_{name}']:.4f}: regression {regression:+.4f} (tolerance {tolerance})")
+                       f"{metrics[f'production_{name}']:.4f}: regression {-gain:+.4f} (gain {shown}; tolerance "
+                       f"{tolerance})")
         if against_production == 0:
             record(False, f"report has no production_ metrics although production v{production_version} exists")
 

@@ -312,8 +312,9 @@ def check_gate_sample(config: PipelineConfig, notes: list[str], problems: list[s
     if "evaluate" not in config.stages:
         return
     most, least = config.evaluate.max_samples, config.gate.min_prompts
-    notes.append(f"gate: judges the candidate on at most evaluate.max_samples={most} held-out prompts, and on "
-                 f"fewer than gate.min_prompts={least} keeps production")
+    how = "each rule on its 95% interval" if config.gate.decide_on_intervals else "each rule on the difference"
+    notes.append(f"gate: judges the candidate on at most evaluate.max_samples={most} held-out prompts ({how}), and "
+                 f"on fewer than gate.min_prompts={least} keeps production")
     if most < least:
         problems.append(f"evaluate.max_samples={most} is below gate.min_prompts={least}: no candidate could ever "
                         "be promoted")

@@ -2,7 +2,8 @@
 sample of held-out prompts with each model's answer and reward, and the policy's learning curve as a PNG.
 
 The evaluation stage writes `<name>` metrics for the policy, `reference_<name>` for its reference and, when the
-production model is scored too, `production_<name>`: one table row per name, one column per model. Its
+production model is scored too, `production_<name>`: one table row per name, one column per model; its paired
+comparisons of the policy with the others (gains and win rates with their 95% intervals) get a table of their own. Its
 samples.jsonl holds the first prompts with every model's greedy answer: one table row per prompt, so that a person
 sees what would be promoted beside what it replaces. The curve is an image in the markdown: a link relative to
 report.md in the stored copy, the PNG itself (a data URI) in the Prefect UI, where no link into the store opens.
@@ -20,6 +21,9 @@ from pydantic import BaseModel
 from pipeline.identity import StageResult
 
 MODELS = ("policy", "reference", "production")
+# The evaluation's paired comparisons of the policy with another model, and their interval bounds
+COMPARISON = re.compile(r"(accuracy_gain|reward_gain|win_rate)_vs_(reference|production)")
+COMPARISON_OR_BOUND = re.compile(COMPARISON.pattern + r"(_low|_high)?")
 CURVE_FILE = "learning_curve.png"
 # Panels of the learning curve: (title, history keys drawn in it); a panel without data is left out.
 CURVE_PANELS = (("reward", ("reward", "eval_reward")), ("KL to reference", ("kl",)), ("loss", ("loss",)))
@@ -33,10 +37,20 @@ class ReportResult(BaseModel):
     artifact_id: str | None = None  # the Prefect markdown artifact showing it
 
 
+def comparisons(metrics: dict) -> dict[str, tuple[float, float | None, float | None]]:
+    """{comparison: (value, low, high)} of the report's paired comparisons (`accuracy_gain_vs_reference`,
+    `win_rate_vs_production`, ...: stages/evaluate/algorithms.py) with their 95% intervals."""
+    return {key: (value, metrics.get(f"{key}_low"), metrics.get(f"{key}_high"))
+            for key, value in sorted(metrics.items()) if COMPARISON.fullmatch(key)}  # fmt: skip
+
+
 def metrics_by_model(metrics: dict) -> dict[str, dict[str, float | int | str]]:
-    """{metric name: {model: value}}: `reference_x` and `production_x` are x of those models, the rest the policy's."""
+    """{metric name: {model: value}}: `reference_x` and `production_x` are x of those models, the rest the policy's
+    (paired comparisons left out: `comparisons`)."""
     table: dict[str, dict[str, float | int | str]] = {}
     for key, value in metrics.items():
+        if COMPARISON_OR_BOUND.fullmatch(key):
+            continue
         model, name = "policy", key
         for prefix in MODELS[1:]:
             if key.startswith(prefix + "_"):
@@ -61,6 +75,11 @@ def metrics_table(metrics: dict) -> str:
     lines = ["| metric | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for name, by_model in rows.items():
         lines.append(f"| {name} | " + " | ".join(_cell(by_model.get(model)) for model in columns) + " |")
+    paired = comparisons(metrics)
+    if paired:
+        lines += ["", "| paired comparison | value | 95% interval |", "|---|---:|---:|"]
+        lines += [f"| {name} | {_cell(value)} | [{_cell(low)}, {_cell(high)}] |"
+                  for name, (value, low, high) in paired.items()]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -846,3 +846,38 @@ def test_f_gspo_sequence_mean_skips_sequences_without_action_tokens_as_openrlhf_
     loss.backward()
     close(logp.grad, [[0.0, 0.0], [0.452419, 0.0], [0.0, 0.0]])
     assert rl_algo.step_sequence_count(torch.zeros(2, 3)) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation: intervals and win rates (docs/algorithms.md)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_paired_gain_interval_worked_numbers():
+    from stages.evaluate.algorithms import paired_gain
+
+    # Differences 1,0,0,1,0: mean 0.4, s = sqrt(1.2 / 4) = 0.5477, half-width 1.96 · 0.5477 / sqrt(5) = 0.4801.
+    mean, low, high = paired_gain(torch.tensor([1.0, 1, 0, 1, 0]), torch.tensor([0.0, 1, 0, 0, 0]))
+    assert (mean, low, high) == pytest.approx((0.4, -0.0801, 0.8801), abs=1e-4)
+    # Pairing: one model a constant 0.1 above the other on varied scores is a gain of exactly 0.1, no noise.
+    scores = torch.tensor([0.3, -2.0, 1.5, 0.0])
+    assert paired_gain(scores + 0.1, scores) == pytest.approx((0.1, 0.1, 0.1))
+
+
+def test_win_rate_counts_ties_half_and_clips_its_interval():
+    from stages.evaluate.algorithms import win_outcomes, win_rate
+
+    candidate, baseline = torch.tensor([2.0, 0.5, 1.0, -1.0]), torch.tensor([1.0, 0.5, 2.0, -3.0])
+    assert win_outcomes(candidate, baseline).tolist() == [1.0, 0.5, 0.0, 1.0]
+    # Mean 0.625, s = sqrt(0.6875 / 3) = 0.4787, half-width 0.4691: [0.1559, 1.0941] clipped to [0.1559, 1].
+    assert win_rate(candidate, baseline) == pytest.approx((0.625, 0.1559, 1.0), abs=1e-4)
+    assert win_rate(baseline, baseline)[:1] == (0.5,)
+
+
+def test_intervals_refuse_what_they_cannot_tell():
+    from stages.evaluate.algorithms import mean_interval, paired_gain
+
+    with pytest.raises(ValueError, match="at least 2 prompts, got 1"):
+        mean_interval(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="differ in shape"):
+        paired_gain(torch.ones(3), torch.ones(4))

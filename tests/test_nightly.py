@@ -100,7 +100,7 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     # The approval fields act in the flow (tests/test_deployment.py: approved in the browser, rejected by timeout).
     assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "min_prompts", "max_kl_mean",
                                                "max_reward_regression", "max_accuracy_regression",
-                                               "require_approval", "approval_timeout_s"}
+                                               "require_approval", "approval_timeout_s", "decide_on_intervals"}
     assert load_pipeline_config("tiny").gate.max_accuracy_regression == 0.02
     report = {"accuracy": 0.50, "reference_accuracy": 0.30, "reward_mean": 1.0, "reference_reward_mean": 0.5,
               "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02, "prompts": 200}
@@ -118,6 +118,31 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     passed, reasons = check_gate(no_production, PromotionGate(), production_version=3)
     assert not passed and "no production_ metrics although production v3 exists" in reasons[0]
     assert check_gate(no_production, PromotionGate(), production_version=None)[0]
+
+
+def test_a_gate_on_intervals_refuses_a_gain_or_a_regression_within_noise():
+    """decide_on_intervals: a gain counts with its interval's low end, a regression against production with its
+    high end; the same differences pass on the point estimates."""
+    report = {"accuracy": 0.55, "reference_accuracy": 0.50, "kl_mean": 0.1, "prompts": 500,
+              "production_accuracy": 0.56,
+              "accuracy_gain_vs_reference": 0.05, "accuracy_gain_vs_reference_low": -0.01,
+              "accuracy_gain_vs_reference_high": 0.11,
+              "accuracy_gain_vs_production": -0.01, "accuracy_gain_vs_production_low": -0.04,
+              "accuracy_gain_vs_production_high": 0.02}
+    gate = {"min_accuracy_gain": 0.0, "max_accuracy_regression": 0.02}
+    assert check_gate(report, PromotionGate(**gate), production_version=3)[0]  # on the differences: passes
+    passed, reasons = check_gate(report, PromotionGate(**gate, decide_on_intervals=True), production_version=3)
+    assert not passed
+    assert reasons[:2] == [
+        "FAIL accuracy gain over the reference +0.0500, 95% interval [-0.0100, +0.1100] (needs >= +0.0000)",
+        "FAIL accuracy 0.5500 vs production v3 0.5600: regression +0.0100 (gain -0.0100, 95% interval [-0.0400, "
+        "+0.0200]; tolerance 0.02)"]
+    # A clear gain over both passes; a report without intervals cannot pass a gate that asks for them.
+    clear = {**report, "accuracy_gain_vs_reference_low": 0.02, "accuracy_gain_vs_production_low": -0.015}
+    assert check_gate(clear, PromotionGate(**gate, decide_on_intervals=True), production_version=3)[0]
+    bare = {k: v for k, v in report.items() if "_vs_" not in k}
+    passed, reasons = check_gate(bare, PromotionGate(**gate, decide_on_intervals=True), production_version=None)
+    assert not passed and "without the interval decide_on_intervals needs" in reasons[0]
 
 
 def test_what_the_gate_judges_on_is_the_deployments_alone(tmp_path):

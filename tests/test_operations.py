@@ -74,6 +74,17 @@ def test_report_table_has_a_production_column_only_when_production_was_scored():
     assert "| kl_mean | 0.0312 | – | – |" in table
 
 
+def test_report_shows_the_paired_comparisons_with_their_intervals_in_a_table_of_their_own():
+    metrics = {"accuracy": 0.9, "reference_accuracy": 0.5, "prompts": 256, "accuracy_gain_vs_reference": 0.4,
+               "accuracy_gain_vs_reference_low": 0.3125, "accuracy_gain_vs_reference_high": 0.4875,
+               "win_rate_vs_production": 0.625, "win_rate_vs_production_low": 0.5, "win_rate_vs_production_high": 0.75}
+    table = metrics_table(metrics).splitlines()
+    assert not [line for line in table[:5] if "_vs_" in line]  # not rows of the per-model table
+    assert table[-4:] == ["| paired comparison | value | 95% interval |", "|---|---:|---:|",
+                          "| accuracy_gain_vs_reference | 0.4000 | [0.3125, 0.4875] |",
+                          "| win_rate_vs_production | 0.6250 | [0.5000, 0.7500] |"]
+
+
 def test_model_written_markdown_in_the_report_renders_as_text_never_as_an_image_or_a_link():
     """Answers are model output: a markdown image in one was fetched by the browser of whoever opened the report (a
     beacon to any host), a link was clickable, a bare URL autolinked."""

@@ -124,6 +124,12 @@ def test_pipeline_learns(resumed_run):
     assert reward_model["eval_accuracy"] >= 0.95, reward_model
     assert report["accuracy"] - report["reference_accuracy"] >= 0.2, report
     assert math.isfinite(report["kl_mean"]), report
+    # Paired on the same prompts: the gain is the difference of the accuracies, beyond noise; the reward model's
+    # win rate of the policy's answers over its SFT start comes with its interval.
+    assert report["accuracy_gain_vs_reference"] == pytest.approx(report["accuracy"] - report["reference_accuracy"])
+    assert 0 < report["accuracy_gain_vs_reference_low"] < report["accuracy_gain_vs_reference_high"], report
+    win_rate = [report[f"win_rate_vs_reference{end}"] for end in ("_low", "", "_high")]
+    assert 0 <= win_rate[0] <= win_rate[1] <= win_rate[2] <= 1, report
 
     store = open_store(result.artifact_root, "tiny")
     for stage, artifact in result.stages.items():

@@ -179,8 +179,9 @@ def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
               "--num_gpus_per_node", 2, "--max_samples", 64)
     metrics = metrics_of(out)
     assert metrics["prompts"] == 64
-    # Same weights on both sides: equal greedy accuracy and an (estimated) KL of zero.
+    # Same weights on both sides: equal greedy accuracy, no paired difference on any prompt, a KL of zero.
     assert metrics["accuracy"] == metrics["reference_accuracy"]
+    assert [metrics[f"accuracy_gain_vs_reference{end}"] for end in ("", "_low", "_high")] == [0.0, 0.0, 0.0]
     assert abs(metrics["kl_mean"]) < 1e-4
     assert 0 < metrics["response_length"] <= 32
 

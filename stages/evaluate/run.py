@@ -8,9 +8,11 @@ tokens of log π − log π_ref (the reference's log-probs are teacher-forced th
 Models of the same architecture are swapped into the running engines instead of starting new ones.
 
 Metrics: `accuracy`, `pass1`, `pass<n>`, `reward_mean`, `response_length`, `truncated_fraction` for the policy,
-the same with a `reference_` / `production_` prefix for the others, and `kl_mean`. `samples.jsonl` holds the
-first SAMPLES_SHOWN prompts with each model's greedy answer and its reward (and reward-model score), for the
-report.
+the same with a `reference_` / `production_` prefix for the others, and `kl_mean`. The policy against each other
+model on the same prompts: `accuracy_gain_vs_<model>`, `reward_gain_vs_<model>` and `win_rate_vs_<model>` (the
+reward model's, ties half), each with the bounds of its 95% interval, `_low` and `_high`
+(stages/evaluate/algorithms.py). `samples.jsonl` holds the first SAMPLES_SHOWN prompts with each model's greedy
+answer and its reward (and reward-model score), for the report.
 
 With `--agent_func_path` each model plays the agent's episodes instead (greedy, and sampled for pass@n): `accuracy`
 is the mean episode reward, `response_length` counts the episode's tokens after the prompt; the KL is still
@@ -37,6 +39,7 @@ from ray.util.placement_group import placement_group
 from stages import data
 from stages import engine as ds
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
+from stages.evaluate.algorithms import paired_gain, win_rate
 from stages.launch import note_limits
 from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
@@ -75,6 +78,7 @@ class Evaluation:
         self.engines: list = []
         self.loaded: str | None = None
         self.samples: list[dict] = []
+        self.per_prompt: dict[str, dict[str, torch.Tensor]] = {}  # model -> "accuracy"/"reward" -> score of each greedy answer
 
     def load(self, path: str) -> None:
         """Put the model at `path` into the engines: a weight swap when the architecture allows it."""
@@ -118,6 +122,7 @@ class Evaluation:
             greedy, agent_rewards = self.episodes(n=1, temperature=0.0, seed=cfg.seed)
         else:
             greedy = self.generate(n=1, temperature=0.0, seed=cfg.seed)
+        per_prompt = self.per_prompt.setdefault(name, {})
         metrics = {
             "response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
             "truncated_fraction": sum(r.finish_reason == "length" for r in greedy) / len(greedy),
@@ -127,26 +132,45 @@ class Evaluation:
         if self.reward_source is not None or self.agent is not None:
             rewards = agent_rewards if self.agent is not None else self.rewards(name, greedy, self.labels(1))
             metrics["accuracy"] = float(rewards.mean())
+            per_prompt["accuracy"] = rewards.float().flatten()
             for sample, reward in zip(shown, rewards.tolist()):
                 sample["reward"] = reward
             k = cfg.eval_n_samples_per_prompt
             if k:
                 if self.agent is not None:
-                    per_prompt = self.episodes(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)[1].view(-1, k)
+                    sampled_rewards = self.episodes(n=k, temperature=cfg.eval_temperature,
+                                                    seed=cfg.seed + 1)[1].view(-1, k)
                 else:
                     sampled = self.generate(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)
-                    per_prompt = self.rewards(name, sampled, self.labels(k)).view(-1, k)
-                metrics["pass1"] = float(per_prompt.mean())
-                metrics[f"pass{k}"] = float(per_prompt.max(dim=1).values.mean())
+                    sampled_rewards = self.rewards(name, sampled, self.labels(k)).view(-1, k)
+                metrics["pass1"] = float(sampled_rewards.mean())
+                metrics[f"pass{k}"] = float(sampled_rewards.max(dim=1).values.mean())
         if self.reward_group is not None:
             batch = build_sequences([r.prompt_ids for r in greedy], [list(r.response_ids) for r in greedy],
                                     self.pad_token_id)
             scores = torch.cat(self.reward_group.run_sharded("score", self.reward_group.split(batch)))
             metrics["reward_mean"] = float(scores.mean())
+            per_prompt["reward"] = scores.float().flatten()
             for sample, score in zip(shown, scores.tolist()):
                 sample["reward_model_score"] = score
         self.samples += shown
         return {f"{prefix}{key}": value for key, value in metrics.items()}
+
+    def comparisons(self) -> dict[str, float]:
+        """The policy against each other model on the same prompts: accuracy and reward gains and the reward model's
+        win rate, each with its 95% interval (`_low`, `_high`); none on fewer than two prompts."""
+        metrics: dict[str, float] = {}
+        policy = self.per_prompt.get("policy", {})
+        for other in ("reference", "production"):
+            for score, baseline in self.per_prompt.get(other, {}).items():
+                if score not in policy or len(policy[score]) < 2:
+                    continue
+                found = {f"{score}_gain_vs_{other}": paired_gain(policy[score], baseline)}
+                if score == "reward":
+                    found[f"win_rate_vs_{other}"] = win_rate(policy[score], baseline)
+                for key, (value, low, high) in found.items():
+                    metrics |= {key: value, f"{key}_low": low, f"{key}_high": high}
+        return metrics
 
     def rewards(self, model: str, rollouts: list[Rollout], labels: list[str]) -> torch.Tensor:
         """The reward of every answer; RewardsUnavailable when any request failed after its retries."""
@@ -220,6 +244,7 @@ def run(cfg) -> dict[str, Any]:
         evaluation.close()
         if reward_group is not None:
             reward_group.shutdown()
+    metrics |= evaluation.comparisons()
     metrics["prompts"] = len(prompts)
     ds.write_metrics(cfg.save_path, metrics)
     with open(Path(cfg.save_path) / "samples.jsonl", "w") as out:
