@@ -156,31 +156,26 @@ def run_on_hub(hub, tmp_path, operation: str, source: str, env: dict | None = No
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.parametrize(("operation", "source", "pinned"), [
+    ("pin", "org/prompts@test", f"org/prompts#{HUB_REVISION}@test"),  # the revision the job reads, split kept
+    ("pin model", "org/policy", f"org/policy#{HUB_REVISION}"),
+], ids=["dataset", "model"])  # fmt: skip
 @pytest.mark.parametrize(("status", "times", "expected"), [(503, 2, 0), (503, None, 1), (404, None, 2)],
-                         ids=["blip", "outage", "no such dataset"])
-def test_a_hub_revision_look_up_is_retried_and_pins_the_revision(hub, tmp_path, status, times, expected):
+                         ids=["blip", "outage", "no such repository"])
+def test_a_hub_revision_look_up_is_retried_and_pins_the_revision(hub, tmp_path, status, times, expected, operation,
+                                                                 source, pinned):  # fmt: skip
     hub.fail(status, times)
-    done = run_on_hub(hub, tmp_path, "pin", "org/prompts@test")
+    done = run_on_hub(hub, tmp_path, operation, source)
     assert done.returncode == expected, done.stdout + done.stderr
-    if expected == 0:  # the revision the job reads, in the source the flow hands it
-        assert done.stdout.strip() == f"org/prompts#{HUB_REVISION}@test"
+    if expected == 0:  # what the plan puts in the stage's config, so in its key
+        assert done.stdout.strip() == pinned
     if expected == 1:
         assert "HubUnavailable" in done.stdout  # never a fingerprint that stands in for the revision
 
 
-@pytest.mark.parametrize(("status", "times", "expected"), [(503, 2, 0), (503, None, 1), (404, None, 2)],
-                         ids=["blip", "outage", "no such model"])
-def test_a_hub_model_is_pinned_to_the_revision_the_hub_names(hub, tmp_path, status, times, expected):
-    hub.fail(status, times)
-    done = run_on_hub(hub, tmp_path, "pin model", "org/policy")
-    assert done.returncode == expected, done.stdout + done.stderr
-    if expected == 0:  # what the plan puts in the stage's config, so in its key
-        assert done.stdout.strip() == f"org/policy#{HUB_REVISION}"
-        # The plan pins the first stage's model; the reward model's is SFT's output in this shape: left alone.
-        planned = run_on_hub(hub, tmp_path, "plan pins", "org/policy")
-        assert planned.stdout.split() == [f"org/policy#{HUB_REVISION}", "org/policy"], planned.stdout + planned.stderr
-    if expected == 1:
-        assert "HubUnavailable" in done.stdout
+def test_the_plan_pins_the_first_stages_hub_model_and_leaves_the_ones_earlier_stages_fill(hub, tmp_path):
+    planned = run_on_hub(hub, tmp_path, "plan pins", "org/policy")  # sft.pretrain, reward_model.pretrain
+    assert planned.stdout.split() == [f"org/policy#{HUB_REVISION}", "org/policy"], planned.stdout + planned.stderr
 
 
 def test_a_pinned_hub_model_loads_that_revision_from_the_hub_cache_offline(hub, assets, tmp_path):
