@@ -26,6 +26,13 @@ TEST_OUTPUT_DIR = Path(__file__).resolve().parent.parent / "test-output"
 _SESSION_STARTED = time.time()
 
 
+def replace_stored(fs, path: str, data: bytes) -> None:
+    """Replace a committed file's bytes, as a failing disk or an intruder would. A local store makes committed files
+    read-only (their folders stay writable): removed, then written anew, which works without root too."""
+    fs.rm_file(path)
+    fs.pipe_file(path, data)
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
     """`build(folder)`'s result, built once per test session even when pytest-xdist runs the session in several
     worker processes: the first worker builds under a lock in the folder all workers share, the others wait and

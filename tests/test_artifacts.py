@@ -24,6 +24,8 @@ from infra.artifacts import (
     open_store,
 )
 
+from conftest import replace_stored
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A writer in its own interpreter: prints "ready", waits for the go file (if any), commits, prints the version.
@@ -214,7 +216,7 @@ def test_corrupted_file_is_named(store_root, tmp_path):
     stored = f"{store.fs._strip_protocol(manifest.uri)}/weights-1.bin"
     data = bytearray(store.fs.cat_file(stored))
     data[10] ^= 0xFF  # same size, one byte flipped
-    store.fs.pipe_file(stored, bytes(data))
+    replace_stored(store.fs, stored, bytes(data))
 
     with pytest.raises(ChecksumError, match=r"v0001/weights-1\.bin"):
         store.verify(manifest)
@@ -235,13 +237,13 @@ def test_a_damaged_version_is_found_before_reuse_and_quarantined(store_root, tmp
     stored = f"{store.fs._strip_protocol(manifest.uri)}/weights-1.bin"
     data = bytearray(store.fs.cat_file(stored))
     data[10] ^= 0xFF  # same size: found by the local store's full check; S3's checks sizes only
-    store.fs.pipe_file(stored, bytes(data))
+    replace_stored(store.fs, stored, bytes(data))
     if store.is_local:
         with pytest.raises(ChecksumError, match=r"v0001/weights-1\.bin"):
             store.verify_for_reuse(manifest)
     else:
         store.verify_for_reuse(manifest)
-    store.fs.pipe_file(stored, bytes(data[:-1]))  # cut short
+    replace_stored(store.fs, stored, bytes(data[:-1]))  # cut short
     with pytest.raises(ChecksumError, match=r"v0001/weights-1\.bin" + ("" if store.is_local else r": 991 bytes, the "
                                                                         r"manifest recorded 992")):
         store.verify_for_reuse(manifest)
@@ -463,7 +465,7 @@ def rewrite_manifest(store, manifest, **changes) -> None:
     if "files" in changes:
         table = {rel: [e["size"], e["sha256"]] for rel, e in sorted(changes["files"].items())}
         data["digest"] = hashlib.sha256(json.dumps(table, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-    store.fs.pipe_file(stored_path(store, manifest, MANIFEST_NAME), json.dumps(data).encode())
+    replace_stored(store.fs, stored_path(store, manifest, MANIFEST_NAME), json.dumps(data).encode())
 
 
 def test_non_finite_metrics_are_refused_at_commit_naming_them(store_root, tmp_path):

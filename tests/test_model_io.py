@@ -9,6 +9,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+from conftest import replace_stored
 
 from infra.artifacts import storage_options_from_env
 from stages import model_io
@@ -110,7 +111,7 @@ def test_value_model_gets_pad_token_id_from_tokenizer(tiny_model_dir, tmp_path):
 def flip_a_byte(fs, path: str) -> None:
     data = bytearray(fs.cat_file(path))
     data[len(data) // 2] ^= 0x01
-    fs.pipe_file(path, bytes(data))
+    replace_stored(fs, path, bytes(data))
 
 
 @pytest.mark.parametrize("backend", ["file", "s3"])

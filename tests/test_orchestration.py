@@ -17,8 +17,10 @@ import time
 import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import yaml
+from conftest import replace_stored
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -43,6 +45,8 @@ from tasks.results import RESULT_SERIALIZER, persisted
 from pipeline.identity import StageResult, resolve_config, stage_code_version, stage_key
 from tasks.run_stage import StageConfigError, StageError, StageTimeout, stage_task, submission_id
 from tcp_proxy import TcpProxy
+
+LOCAL = fsspec.filesystem("file")  # the local artifact root and workspace of these tests
 
 # Runs flows on a Prefect server and stage jobs on Ray: the full suite's tier.
 pytestmark = pytest.mark.slow
@@ -170,7 +174,7 @@ def test_rerun_is_idempotent_and_inputs_reach_config_fields(env):
 def test_a_damaged_committed_version_is_quarantined_and_built_again_not_reused(env):
     config = ToyConfig(value=8)
     first = run_toy(env, config).result()
-    (Path(first.uri.removeprefix("file:")) / "result.json").write_text('{"value": 9}')  # a flipped byte, a bad disk
+    replace_stored(LOCAL, f"{first.uri.removeprefix('file:')}/result.json", b'{"value": 9}')  # a bad disk
     # The job's output in the workspace is what v1 held when committed: committed again, no job runs.
     second = run_toy(env, config).result()
     assert not second.reused and second.version == first.version + 1 and attempts_of(env, config) == ["SUCCEEDED"]
@@ -179,7 +183,7 @@ def test_a_damaged_committed_version_is_quarantined_and_built_again_not_reused(e
     assert json.loads(store.read_file(store.get("toy", second.version), "result.json"))["value"] == 8
     # Damaged in the store and in the workspace: the stage runs again.
     for folder in (Path(second.uri.removeprefix("file:")), toy_workspace(config) / "output"):
-        (folder / "result.json").write_text('{"value": 7}')
+        replace_stored(LOCAL, str(folder / "result.json"), b'{"value": 7}')
     third = run_toy(env, config).result()
     assert third.version == second.version + 1 and attempts_of(env, config) == ["SUCCEEDED", "SUCCEEDED"]
     assert json.loads(store.read_file(store.get("toy", third.version), "result.json"))["value"] == 8
@@ -369,7 +373,7 @@ def shape_runs(prefect_server, ray_address, tmp_path_factory):
         for run, shape in [*((shape, shape) for shape in SHAPE_RUNS), ("dpo again", "dpo"), ("dpo damaged", "dpo")]:
             if run == "dpo damaged":  # a disk gone bad under the version the unchanged night reused
                 damaged = Path(runs["dpo again"]["state"].result().stages["dpo"].uri.removeprefix("file:"))
-                (damaged / "result.json").write_text('{"value": -1}')
+                replace_stored(LOCAL, str(damaged / "result.json"), b'{"value": -1}')
             config = load_pipeline_config("tiny", {"artifact_root": str(tmp / "artifacts"),
                                                    "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape})
             jobs_before = len(client.list_jobs())
