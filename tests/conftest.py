@@ -27,9 +27,11 @@ _SESSION_STARTED = time.time()
 
 
 def replace_stored(fs, path: str, data: bytes) -> None:
-    """Replace a committed file's bytes, as a failing disk or an intruder would. A local store makes committed files
-    read-only (their folders stay writable): removed, then written anew, which works without root too."""
-    fs.rm_file(path)
+    """Write `data` at `path` in a committed version, as a failing disk or an intruder would: over a file (a local
+    store makes committed files read-only, their folders stay writable: removed first, which works without root
+    too), or as a file the manifest does not list."""
+    if fs.exists(path):
+        fs.rm_file(path)
     fs.pipe_file(path, data)
 
 

@@ -373,7 +373,7 @@ def shape_runs(prefect_server, ray_address, tmp_path_factory):
         for run, shape in [*((shape, shape) for shape in SHAPE_RUNS), ("dpo again", "dpo"), ("dpo damaged", "dpo")]:
             if run == "dpo damaged":  # a disk gone bad under the version the unchanged night reused
                 damaged = Path(runs["dpo again"]["state"].result().stages["dpo"].uri.removeprefix("file:"))
-                replace_stored(LOCAL, str(damaged / "result.json"), b'{"value": -1}')
+                replace_stored(LOCAL, str(damaged / "result.json"), b'{"value": -1}')  # a file it does not list
             config = load_pipeline_config("tiny", {"artifact_root": str(tmp / "artifacts"),
                                                    "tiny_assets_dir": str(tmp / "tiny-assets"), "shape": shape})
             jobs_before = len(client.list_jobs())
