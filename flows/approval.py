@@ -101,10 +101,10 @@ def await_approval(decision: PromotionDecision, report: ReportResult, gate: Prom
     except FlowPauseTimeout:  # the deadline's answer never landed (the server unreachable for the whole margin)
         with get_client(sync_client=True) as client:  # back to Running, so that the rest of the run can end it
             client.set_flow_run_state(get_run_context().flow_run.id, Running(message=why), force=True)
-        answer = Approval(approve=False, comment=why)
+        answer = None
     finally:
         deadline.stop()
-    if deadline.answered and not answer.approve:
+    if answer is None or (deadline.answered and not answer.approve):
         logger.warning(f"{decision.stage} v{decision.version}: {why}")
         return decision.rejected(why).model_copy(update={"approval": why})
     said = f"{'approved' if answer.approve else 'rejected'}" + (f": {answer.comment}" if answer.comment else "")
