@@ -160,16 +160,17 @@ def test_qlora_dpo_on_4bit_policy_and_reference_answers_better(sft_model, sft_ac
     train on the policy in bfloat16, and the output is the full bfloat16 model (dequantized, merged)."""
     out = tmp_path / "dpo"
     run_stage("dpo", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset", assets["pref_eval"],
-              "--load_in_4bit", "--bf16", "--lora_rank", 8, "--lora_alpha", 16, "--learning_rate", "2e-3",
-              "--num_gpus_per_node", 1, "--save_path", out, "--ckpt_path", tmp_path / "ckpt")
+              "--load_in_4bit", "--bf16", "--lora_rank", 8, "--lora_alpha", 16, "--learning_rate", "4e-3",
+              "--num_gpus_per_node", 1, "--max_samples", 960, "--save_path", out, "--ckpt_path", tmp_path / "ckpt")
     metrics = metrics_of(out)
     # Policy and reference start from the same 4-bit weights: log 2, up to bfloat16 rounding.
     assert metrics["train_loss_first"] == pytest.approx(0.693, abs=0.01)
-    assert metrics["train_loss_last"] < 0.35 and metrics["eval_accuracy"] >= 0.9, metrics
+    # 960 pairs × 2 epochs (60 steps): last loss 0.34, held-out accuracy 0.84, greedy accuracy 0.02 → 0.56.
+    assert metrics["train_loss_last"] < 0.45 and metrics["eval_accuracy"] >= 0.8, metrics
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert (out / "lora_adapter" / "adapter_config.json").is_file()
-    assert greedy_accuracy(out, assets["prompts_eval"]) > sft_accuracy + 0.05
+    assert greedy_accuracy(out, assets["prompts_eval"]) > sft_accuracy + 0.3
 
 
 def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
