@@ -164,7 +164,7 @@ def _stop_process_group(pid: int, popen: subprocess.Popen | None, timeout_s: flo
         except psutil.TimeoutExpired:
             return False
 
-    for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+    for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, min(10.0, timeout_s)), (signal.SIGKILL, 10.0)):
         try:
             if sig == signal.SIGINT:
                 os.kill(pid, sig)
@@ -282,15 +282,25 @@ class LocalRayHead:
         address = f"http://{_url_host(client_host)}:{ports.dashboard}"
         deadline = time.monotonic() + self.startup_timeout_s
         while not self.ready(address):
-            if self._process.poll() is not None or time.monotonic() > deadline:
+            lost_gcs_port = self._gcs_lost_its_port()
+            if lost_gcs_port or self._process.poll() is not None or time.monotonic() > deadline:
                 log_tail = self._log_path.read_text(errors="replace")[-3000:]
-                self.stop()
+                if lost_gcs_port:
+                    log_tail += f"\nthe GCS server could not bind port {ports.gcs}: Address already in use"
+                # Nothing of a head that never started is worth a graceful stop; a `ray start` still waiting for its
+                # GCS answers neither SIGINT nor SIGTERM (40 s of escalation).
+                self.stop(timeout_s=0)
                 raise RayClusterError(f"local Ray head did not start ({' '.join(command)}):\n{log_tail}")
             time.sleep(0.5)
         os.chmod(self._temp_dir, 0o700)  # Ray makes its temp folder world-writable (0o777) on start: ours alone
         self.address = address
         self.gcs_address = f"{_url_host(client_host)}:{ports.gcs}"
         return address
+
+    def _gcs_lost_its_port(self) -> bool:
+        """The GCS server logs a failed bind at once; `ray start` gives up on it only after about 40 s of retries."""
+        return any("Address already in use" in log.read_text(errors="replace")
+                   for log in Path(self._temp_dir).glob("session_*/logs/gcs_server.err"))
 
     def ready(self, address: str) -> bool:
         """Whether the starting head serves what its users need: the Jobs API at `address`."""
