@@ -142,8 +142,9 @@ class HeadRecord:
 
 
 def _stop_process_group(pid: int, popen: subprocess.Popen | None, timeout_s: float) -> None:
-    """SIGINT the `ray start --block` process (it stops what it started); escalate on its process group, then on
-    whatever of its process tree is left (job drivers run in sessions of their own)."""
+    """SIGTERM the `ray start --block` process (it stops what it started); escalate on its process group, then on
+    whatever of its process tree is left (job drivers run in sessions of their own). Not SIGINT: a process started in
+    the background of a shell (nohup, a CI step, a service) inherits SIGINT ignored, and a head waited out 40 s."""
     try:
         tree = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -164,9 +165,9 @@ def _stop_process_group(pid: int, popen: subprocess.Popen | None, timeout_s: flo
         except psutil.TimeoutExpired:
             return False
 
-    for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, min(10.0, timeout_s)), (signal.SIGKILL, 10.0)):
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
         try:
-            if sig == signal.SIGINT:
+            if sig == signal.SIGTERM:
                 os.kill(pid, sig)
             else:
                 os.killpg(pid, sig)
@@ -250,7 +251,9 @@ class LocalRayHead:
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, "RAY_AUTH_MODE": self.auth_mode, "RAY_USAGE_STATS_ENABLED": "0"}
+        # No drain on SIGTERM (Ray waits up to 30 s for Serve proxies to quiesce): a local head serves no traffic.
+        env = {**os.environ, "RAY_AUTH_MODE": self.auth_mode, "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         env.pop("RAY_ADDRESS", None)
         if is_loopback(self.bind_host):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # see the module docstring
