@@ -165,16 +165,13 @@ def _stop_process_group(pid: int, popen: subprocess.Popen | None, timeout_s: flo
         except psutil.TimeoutExpired:
             return False
 
-    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-        try:
-            if sig == signal.SIGTERM:
-                os.kill(pid, sig)
-            else:
-                os.killpg(pid, sig)
-        except ProcessLookupError:
-            break
-        if gone(wait_s):
-            break
+    try:
+        os.kill(pid, signal.SIGTERM)
+        if not gone(timeout_s):
+            os.killpg(pid, signal.SIGKILL)
+            gone(10.0)
+    except ProcessLookupError:
+        pass
     # Anything left in the head's session (workers) or below it goes with it.
     try:
         os.killpg(pid, signal.SIGKILL)
