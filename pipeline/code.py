@@ -119,3 +119,20 @@ def code_version(entry: str, root: Path = PROJECT_ROOT) -> str:
         path = module_file(root, name)
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def imported_code_version(path: Path, root: Path = PROJECT_ROOT) -> str | None:
+    """sha256 of the project modules a file outside the packages imports (a reward function that calls
+    stages/answers.py), with their closures; None when it imports none. Its own content is fingerprinted as data."""
+    names = {name for name in _imports(parsed(path), "", skip_main=False)
+             if name.split(".")[0] in PROJECT_PACKAGES and module_file(root, name) is not None}
+    if not names:
+        return None
+    closure: dict[str, ast.Module] = {}
+    for name in sorted(names):
+        closure |= module_closure(name, root)
+    digest = hashlib.sha256()
+    for name in sorted(closure):
+        module = module_file(root, name)
+        digest.update(str(module.relative_to(root)).encode() + b"\0" + module.read_bytes() + b"\0")
+    return digest.hexdigest()

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from infra.artifacts import DatasetRef, Manifest
 from infra.settings import Settings
-from pipeline.code import code_version
+from pipeline.code import code_version, imported_code_version
 from pipeline.config import PipelineConfig, shape_inputs
 from stages.fields import Dataset, Output, RewardSource, fields_with, names_with
 from stages.fingerprint import dataset_fingerprint
@@ -81,11 +82,25 @@ def data_sources(config_cls: type[BaseModel] | None, config: dict) -> dict[str, 
     if config_cls is None:
         return {}
     sources = {field: config[field] for field in fields_with(config_cls, Dataset) if config.get(field)}
+    for benchmark in config.get("eval_suite") or []:  # the evaluation's benchmarks: datasets too
+        if benchmark.get("dataset"):
+            sources[f"eval_suite/{benchmark['name']}"] = benchmark["dataset"]
     for field in fields_with(config_cls, RewardSource):
         reward = config.get(field)
         if isinstance(reward, str) and "://" not in reward and reward.endswith(".py"):
             sources[field] = reward
     return sources
+
+
+def source_fingerprint(source: str) -> str:
+    """The fingerprint of data a stage reads; a local reward function's also covers the project code it imports
+    (configs/reward_funcs/math_answer.py compares answers with stages/answers.py)."""
+    fingerprint = dataset_fingerprint(source)
+    if source.endswith(".py") and "://" not in source and Path(source).is_file():
+        imported = imported_code_version(Path(source))
+        if imported is not None:
+            fingerprint += f"+code:{imported[:16]}"
+    return fingerprint
 
 
 class StageIdentity(BaseModel):
@@ -100,7 +115,7 @@ def stage_identity(pipeline: str, stage: str, config: BaseModel | dict, inputs: 
                    code: str) -> StageIdentity:  # fmt: skip
     """Resolve `config` with `inputs` (config field -> upstream result) and fingerprint its data: the key."""
     resolved = resolve_config(stage, config, inputs)
-    datasets = {field: DatasetRef(source=source, fingerprint=dataset_fingerprint(source))
+    datasets = {field: DatasetRef(source=source, fingerprint=source_fingerprint(source))
                 for field, source in data_sources(config_class(stage, config), resolved).items()}
     key = stage_key(pipeline, stage, resolved, {field: r.digest for field, r in inputs.items()}, code,
                     {field: ref.fingerprint for field, ref in datasets.items()})
