@@ -99,7 +99,10 @@ def _cli_shape(name: str, annotation: Any) -> tuple[type, tuple | None, int | st
         items = get_args(annotation)
         return items[0], None, len(items), optional
     if get_origin(annotation) is list:
-        return get_args(annotation)[0], None, "+", optional
+        item = get_args(annotation)[0]
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return str, None, None, optional  # a YAML file of the items, which the field's validator reads
+        return item, None, "+", optional
     if annotation in (bool, int, float, str):
         return annotation, None, None, optional
     raise TypeError(f"field {name}: no command-line form for {annotation!r}")

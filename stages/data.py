@@ -63,10 +63,11 @@ def split_source(source: str, split: str = "train") -> tuple[str, str]:
 
 
 def load_rows(
-    source: str | os.PathLike, *, split: str = "train", max_samples: int | None = None
+    source: str | os.PathLike, *, split: str = "train", max_samples: int | None = None, subset: str | None = None
 ) -> datasets.Dataset:
     """Rows of one split of `source`: a hub name, a local .json/.jsonl/.parquet file or directory, a file:// or
-    s3:// URI (credentials and endpoint from the AWS_* environment). `source@split` overrides `split`.
+    s3:// URI (credentials and endpoint from the AWS_* environment). `source@split` overrides `split`; `subset`
+    names a hub dataset's configuration (openai/gsm8k's `main`).
 
     A single file is the requested split; a directory maps files to splits by name (train.jsonl, test.jsonl, ...)
     like the hub does. Keeps the first `max_samples` rows. Unreadable or missing data raises DataValidationError.
@@ -84,7 +85,7 @@ def load_rows(
                 raise DataValidationError(f"{source}: no such file or directory")
             return _load_files(local, split)
         name, revision = split_revision(path)
-        return datasets.load_dataset(name, split=split, revision=revision)
+        return datasets.load_dataset(name, subset, split=split, revision=revision)
 
     try:
         rows = retrying(f"reading {source}", read, StoreSettings().artifact_retry_s, logger.warning)

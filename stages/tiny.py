@@ -66,7 +66,7 @@ PREF_PAIRS_PER_PROMPT = 3  # rejected answers: sum + 1, sum - 1 (sum + 2 for 0),
 
 ANSWER_PATTERN = re.compile(r"Answer:\s*(-?\d+)")
 ASSETS_MARKER = "tiny_assets.json"
-ASSETS_FORMAT = 3  # bump whenever the builders' output changes, so assets built by older code are rebuilt
+ASSETS_FORMAT = 4  # bump whenever the builders' output changes, so assets built by older code are rebuilt
 DATASET_FILES = {
     "sft_train": "sft_train.jsonl",
     "sft_eval": "sft_eval.jsonl",
@@ -82,6 +82,9 @@ DATASET_FILES = {
     "prompts_chat_train": "prompts_chat_train.jsonl",
     "prompts_chat_eval": "prompts_chat_eval.jsonl",
     "kto_train": "kto_train.jsonl",
+    # The held-out prompts as evaluation benchmarks in GSM8K's and MATH's formats (stages/evaluate/suite.py).
+    "prompts_eval_gsm8k": "prompts_eval_gsm8k.jsonl",
+    "prompts_eval_math": "prompts_eval_math.jsonl",
 }
 SYSTEM_PROMPTS = ("", "You are a careful calculator.")  # OpenOrca rows have a system prompt or an empty one
 TINY_EXPERTS, TINY_TOP_K = 4, 2  # the tiny mixture-of-experts model (build_tiny_model(moe=True))
@@ -329,6 +332,10 @@ def build_tiny_datasets(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     }
     # Own random stream: adding formats never changes the rows above.
     rows |= _real_format_rows(train, held_out, rows["sft_train"], rows["pref_train"], random.Random(seed + 2))
+    rows["prompts_eval_gsm8k"] = [{"question": p.prompt, "answer": f"{p.a} + {p.b} = {p.answer}\n#### {p.answer}"}
+                                  for p in held_out]
+    rows["prompts_eval_math"] = [{"problem": p.prompt, "solution": f"${p.a} + {p.b} = \\boxed{{{p.answer}}}$"}
+                                 for p in held_out]
     return {key: _write_jsonl(out / DATASET_FILES[key], rows[key]) for key in DATASET_FILES}
 
 

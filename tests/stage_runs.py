@@ -95,3 +95,16 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 def max_weight_change(before: Path, after: Path) -> float:
     a, b = weights(before), weights(after)
     return max(float((a[k] - b[k]).abs().max()) for k in a if k in b)
+
+
+def tiny_suite(assets: dict, path: Path, max_samples: int, preferences: bool = True) -> Path:
+    """An eval suite YAML at `path`: the tiny task's held-out prompts as gsm8k and math benchmarks, and as
+    preference prompts (for an evaluation with a reward model) (stages/evaluate/suite.py)."""
+    benchmarks = [{"name": "gsm8k", "dataset": str(assets["prompts_eval_gsm8k"]), "format": "gsm8k",
+                   "max_samples": max_samples},
+                  {"name": "math", "dataset": str(assets["prompts_eval_math"]), "format": "math", "n_samples": 0,
+                   "max_samples": max_samples},
+                  {"name": "preferences", "dataset": str(assets["pref_eval"]), "format": "preference_prompts",
+                   "n_samples": 0, "max_samples": 3 * max_samples}][: 3 if preferences else 2]
+    path.write_text(json.dumps({"benchmarks": benchmarks}))  # JSON is YAML
+    return path

@@ -874,6 +874,34 @@ def test_win_rate_counts_ties_half_and_clips_its_interval():
     assert win_rate(baseline, baseline)[:1] == (0.5,)
 
 
+def test_majority_vote_worked_numbers():
+    """maj@k: the answer most samples give decides; samples without an answer abstain; a tie goes to the answer
+    given first (docs/algorithms.md)."""
+    from stages.evaluate.algorithms import majority_vote
+
+    votes = [["7", "7", "8", None],  # 7 wins 2 to 1: the score of a 7
+             ["8", "7", "7", "8"],  # 2 to 2: 8 came first
+             [None, None, None, None],  # nobody answered
+             ["5", None, None, None]]  # one vote is a majority
+    scores = torch.tensor([[1.0, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
+    assert majority_vote(votes, scores).tolist() == [1.0, 0.0, 0.0, 1.0]
+    # maj@4 = 0.5 here where pass@4 (any sample right) is 0.75 and pass@1 (the mean) is 0.3125.
+    assert float(majority_vote(votes, scores).mean()) == 0.5 and float(scores.max(dim=1).values.mean()) == 0.75
+
+
+def test_final_answers_of_benchmark_solutions_and_of_responses():
+    from stages.answers import gsm8k_label, is_correct, last_boxed, vote_key
+
+    assert gsm8k_label("Natalia sold 48/2 = 24 clips.\n#### 1,072") == "1072"
+    assert gsm8k_label("no marker here") is None and gsm8k_label("#### ") is None
+    assert last_boxed("so $x = \\boxed{\\frac{1}{2}}$ and \\boxed{3}.") == "3"
+    assert last_boxed("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}" and last_boxed("\\boxed{open") is None
+    # Votes compare final answers as numbers where they are numbers: 1,234 and 1234.0 are one answer.
+    assert vote_key("so the total is 1,234.") == vote_key("Answer: 1234.0") == "1234"
+    assert vote_key("\\boxed{x^2 + 1}") == "x^2+1" and vote_key("I do not know") is None
+    assert is_correct("The answer is \\boxed{\\dfrac{1}{2}}", "0.5") and not is_correct("Answer: 7", "8")
+
+
 def test_intervals_refuse_what_they_cannot_tell():
     from stages.evaluate.algorithms import mean_interval, paired_gain
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 from conftest import free_port
 from faults import rewound_checkpoints
-from stage_runs import history_of, max_weight_change, metrics_of, run_stage, weights
+from stage_runs import history_of, max_weight_change, metrics_of, run_stage, tiny_suite, weights
 from test_config import SEED_GRPO, SEED_PPO, SEED_PPO_HYBRID, stage_argv
 from test_rewards import RewardServer
 
@@ -65,13 +65,19 @@ def test_ppo_with_critic_and_reward_model_learns(tmp_path, assets, sft_model, re
     report = tmp_path / "report"
     run_stage("evaluate", "--pretrain", policy, "--ref_pretrain", sft_model, "--reward_pretrain", reward_model,
               "--remote_rm_url", RULE_REWARD, "--prompt_data", assets["prompts_eval"], "--save_path", report,
-              "--num_gpus_per_node", 2)
+              "--num_gpus_per_node", 2, "--eval_suite", tiny_suite(assets, tmp_path / "suite.yaml", 200))
     metrics = metrics_of(report)
     # Held-out greedy accuracy (rule reward) and the reward model's score of the same answers both rise.
     assert metrics["accuracy"] - metrics["reference_accuracy"] >= 0.2, metrics
     assert metrics["reward_mean"] > metrics["reference_reward_mean"], metrics
     assert 0 < metrics["kl_mean"] < 10, metrics
     assert metrics["pass4"] >= metrics["accuracy"] - 0.05, metrics
+    # The held-out prompts in GSM8K's format score as the prompt set does (within one prompt of 200), the gain
+    # beyond noise; the reward model prefers the policy's answers to held-out preference prompts.
+    assert metrics["gsm8k/prompts"] == metrics["prompts"] == 200
+    assert abs(metrics["gsm8k/accuracy"] - metrics["accuracy"]) <= 1 / 200, metrics
+    assert metrics["gsm8k/accuracy_gain_vs_reference_low"] > 0, metrics
+    assert metrics["preferences/win_rate_vs_reference_low"] > 0.5, metrics
 
 
 def test_qlora_ppo_trains_adapters_on_4bit_models_sharing_one_process(tmp_path, assets, sft_model, reward_model):
@@ -230,7 +236,8 @@ def test_an_agent_task_with_a_second_try_learns_and_is_evaluated_on_the_same_epi
 
     report = tmp_path / "report"
     run_stage("evaluate", "--pretrain", policy, "--ref_pretrain", sft_model, "--agent_func_path", agent,
-              "--prompt_data", assets["prompts_eval"], "--save_path", report, "--eval_n_samples_per_prompt", 1)
+              "--prompt_data", assets["prompts_eval"], "--save_path", report, "--eval_n_samples_per_prompt", 1,
+              "--eval_suite", "none")
     evaluated = metrics_of(report)
     assert evaluated["accuracy"] - evaluated["reference_accuracy"] >= 0.2, evaluated
     assert evaluated["accuracy"] == pytest.approx(metrics["eval_reward"], abs=0.05), (evaluated, metrics)

@@ -24,7 +24,7 @@ from stages.model_io import load_tokenizer
 from conftest import SFT_FLAGS, SFT_STEPS
 from infra.ray_cluster import free_port
 from faults import rewound_checkpoints
-from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage
+from stage_runs import ROOT, STAGE_TIMEOUT_S, history_of, max_weight_change, metrics_of, run_stage, tiny_suite
 
 # Runs the stage entrypoints (Ray, DeepSpeed, a model trained per test): the full suite's tier.
 pytestmark = pytest.mark.slow
@@ -174,17 +174,26 @@ def test_qlora_dpo_on_4bit_policy_and_reference_answers_better(sft_model, sft_ac
 
 
 def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
+    """The held-out prompts, and the same prompts as gsm8k and math benchmarks of an eval suite: answers compared
+    with math-verify score as the tiny task's own reward does."""
     out = tmp_path / "report"
     run_stage("evaluate", "--pretrain", sft_model, "--ref_pretrain", sft_model, "--remote_rm_url",
               "stages/tiny_reward.py", "--prompt_data", assets["prompts_eval"], "--save_path", out,
-              "--num_gpus_per_node", 2, "--max_samples", 64)
+              "--num_gpus_per_node", 2, "--max_samples", 64,
+              "--eval_suite", tiny_suite(assets, tmp_path / "suite.yaml", 64, preferences=False))
     metrics = metrics_of(out)
-    assert metrics["prompts"] == 64
+    assert metrics["prompts"] == metrics["gsm8k/prompts"] == metrics["math/prompts"] == 64
     # Same weights on both sides: equal greedy accuracy, no paired difference on any prompt, a KL of zero.
     assert metrics["accuracy"] == metrics["reference_accuracy"]
     assert [metrics[f"accuracy_gain_vs_reference{end}"] for end in ("", "_low", "_high")] == [0.0, 0.0, 0.0]
     assert abs(metrics["kl_mean"]) < 1e-4
     assert 0 < metrics["response_length"] <= 32
+    # The same greedy answers, judged by math-verify against the labels in GSM8K's and MATH's forms.
+    assert metrics["gsm8k/accuracy"] == metrics["math/accuracy"] == metrics["accuracy"] > 0, metrics
+    assert metrics["gsm8k/extraction_failures"] < 0.1 and metrics["gsm8k/maj4"] >= 0
+    assert metrics["gsm8k/accuracy_gain_vs_reference_low"] == metrics["gsm8k/accuracy_gain_vs_reference_high"] == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["benchmark"] for s in samples} == {"", "gsm8k", "math"}
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model"])

@@ -1,5 +1,6 @@
 """The evaluation's statistics, as pure functions of per-prompt scores: the mean with its confidence interval, the
-paired difference of two models answering the same prompts, and the win rate of one model's answers over another's.
+paired difference of two models answering the same prompts, the win rate of one model's answers over another's, and
+the majority vote over sampled answers.
 
 Every model answers the same held-out prompts, so differences are paired: the interval is that of the mean of the
 per-prompt differences, much narrower than two independent intervals would be when the models agree on most prompts.
@@ -11,6 +12,7 @@ numbers: docs/algorithms.md ("Evaluation: intervals and win rates").
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 from torch import Tensor
@@ -48,3 +50,17 @@ def win_rate(candidate: Tensor, baseline: Tensor, z: float = Z_95) -> tuple[floa
     interval clipped to [0, 1], where the normal approximation overshoots on few prompts."""
     rate, low, high = mean_interval(win_outcomes(candidate, baseline), z)
     return rate, max(0.0, low), min(1.0, high)
+
+
+def majority_vote(votes: list[list[str | None]], scores: Tensor) -> Tensor:
+    """Per prompt, the score of the answer most of its samples agree on (maj@k): `votes[i][j]` is the final answer of
+    prompt i's sample j (None: it gave none and does not vote), `scores[i, j]` that sample's score. A tie goes to the
+    answer given first; a prompt whose samples give no answer scores 0."""
+    result = torch.zeros(len(votes), dtype=torch.float64)
+    for i, answers in enumerate(votes):
+        counts = Counter(answer for answer in answers if answer is not None)
+        if counts:
+            top = max(counts.values())
+            first = next(j for j, answer in enumerate(answers) if answer is not None and counts[answer] == top)
+            result[i] = float(scores[i, first])
+    return result

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from stages.config import PolicyPath, PromptConfig, RankLayout, max_samples_field
+from stages.evaluate.suite import Benchmark, load_suite, suite_problems
 from stages.fields import Dataset
 
 
@@ -15,7 +16,8 @@ class EvaluateConfig(RankLayout, PromptConfig):
 
     Every model answers the prompts through the rollout engines: greedy answers (accuracy with a reward function,
     mean reward-model score) and --eval_n_samples_per_prompt samples (pass@n); the policy's KL to the reference is
-    estimated on its own samples. Writes metrics.json and samples.jsonl.
+    estimated on its own samples. With --eval_suite every model also answers each benchmark of the suite
+    (stages/evaluate/suite.py), its metrics prefixed with the benchmark's name. Writes metrics.json and samples.jsonl.
     """
 
     stage = "evaluate"
@@ -41,3 +43,30 @@ class EvaluateConfig(RankLayout, PromptConfig):
         8, ge=1, description="ranks per node of the reward model that scores responses (with --reward_pretrain)",
     )
     micro_rollout_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward on one rank")
+    eval_suite: list[Benchmark] | None = Field(
+        None, description="benchmarks every model also answers: a YAML file (a list, or a `benchmarks:` list) or, in "
+        "a preset, the list itself; each with name, dataset, split, format (gsm8k, math, prompts, "
+        "preference_prompts), n_samples, max_samples",
+    )
+
+    required_inputs = (("pretrain",), ("prompt_data", "eval_suite"),
+                       ("reward_pretrain", "remote_rm_url", "agent_func_path"))
+
+    def missing_inputs(self) -> list[str]:
+        # A preset's benchmark may leave its dataset to the tiny assets of a pipeline; a run by hand names it.
+        unset = [benchmark.name for benchmark in self.eval_suite or [] if benchmark.dataset is None]
+        return super().missing_inputs() + ([f"the dataset of eval_suite benchmark(s) {', '.join(unset)} (a tiny "
+                                            "pipeline fills it in; --eval_suite none evaluates without the suite)"]
+                                           if unset else [])
+
+    @field_validator("eval_suite", mode="before")
+    @classmethod
+    def _read_suite_file(cls, value):
+        return load_suite(value)
+
+    @model_validator(mode="after")
+    def _check_suite(self):
+        problems = suite_problems(self.eval_suite or [])
+        if problems:
+            raise ValueError(f"--eval_suite: {'; '.join(problems)}")
+        return self

@@ -7,12 +7,19 @@ The policy's KL to the reference is estimated on the policy's own samples at tem
 tokens of log π − log π_ref (the reference's log-probs are teacher-forced through its engine), averaged over prompts.
 Models of the same architecture are swapped into the running engines instead of starting new ones.
 
-Metrics: `accuracy`, `pass1`, `pass<n>`, `reward_mean`, `response_length`, `truncated_fraction` for the policy,
-the same with a `reference_` / `production_` prefix for the others, and `kl_mean`. The policy against each other
+Metrics: `accuracy`, `pass1`, `pass<n>`, `maj<n>`, `reward_mean`, `response_length`, `truncated_fraction` for the
+policy, the same with a `reference_` / `production_` prefix for the others, and `kl_mean`. The policy against each other
 model on the same prompts: `accuracy_gain_vs_<model>`, `reward_gain_vs_<model>` and `win_rate_vs_<model>` (the
 reward model's, ties half), each with the bounds of its 95% interval, `_low` and `_high`
 (stages/evaluate/algorithms.py). `samples.jsonl` holds the first SAMPLES_SHOWN prompts with each model's greedy
 answer and its reward (and reward-model score), for the report.
+
+With `--eval_suite` every model also answers each benchmark of the suite in the same engine start, after the held-out
+prompts (stages/evaluate/suite.py): `gsm8k` and `math` answers are compared with their labels by math-verify, with
+`extraction_failures` (greedy answers without a final answer) and `maj<n>` (the majority answer of the samples)
+beside `pass1` and `pass<n>`; `prompts` answers get the stage's reward; every benchmark's answers get the reward
+model's score, and with it the win rates. Its metrics, comparisons and samples carry the prefix `<name>/`. The KL is
+estimated on the first prompt set (--prompt_data where given).
 
 With `--agent_func_path` each model plays the agent's episodes instead (greedy, and sampled for pass@n): `accuracy`
 is the mean episode reward, `response_length` counts the episode's tokens after the prompt; the KL is still
@@ -29,17 +36,22 @@ the prompts or commit a metric that is not a number.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import ray
 import torch
 from ray.util.placement_group import placement_group
 
 from stages import data
 from stages import engine as ds
+from stages.answers import is_correct, vote_key
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
-from stages.evaluate.algorithms import paired_gain, win_rate
+from stages.errors import StageInputError
+from stages.evaluate.algorithms import majority_vote, paired_gain, win_rate
+from stages.evaluate.suite import MATH_FORMATS, Benchmark, benchmark_rows
 from stages.launch import note_limits
 from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
@@ -66,11 +78,29 @@ def same_architecture(path_a: str, path_b: str) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
-class Evaluation:
-    """Engines that hold one model at a time, the reward sources, and the prompts they all answer."""
+@dataclass
+class PromptSet:
+    """Prompts every model answers, scored one way: --prompt_data (its metrics unprefixed, format "prompts") or one
+    benchmark of the suite (its metrics prefixed with `<name>/`)."""
 
-    def __init__(self, cfg, prompts: list[dict], tokenizer, reward_group: ActorGroup | None, bundle: dict[str, float]):
-        self.cfg, self.prompts, self.tokenizer, self.reward_group = cfg, prompts, tokenizer, reward_group
+    name: str
+    format: str
+    prompts: list[dict]
+    n_samples: int
+
+    def key(self, metric: str) -> str:
+        return f"{self.name}/{metric}" if self.name else metric
+
+    def labels(self, n: int) -> list[str]:
+        return [p["label"] for p in self.prompts for _ in range(n)]
+
+
+class Evaluation:
+    """Engines that hold one model at a time, the reward sources, and the prompt sets they all answer."""
+
+    def __init__(self, cfg, prompt_sets: list[PromptSet], tokenizer, reward_group: ActorGroup | None,
+                 bundle: dict[str, float]):
+        self.cfg, self.prompt_sets, self.tokenizer, self.reward_group = cfg, prompt_sets, tokenizer, reward_group
         self.pad_token_id = tokenizer.pad_token_id
         self.bundle = bundle  # what each engine (each tensor-parallel rank) takes of the cluster
         self.reward_source = reward_source_of(cfg)
@@ -78,7 +108,8 @@ class Evaluation:
         self.engines: list = []
         self.loaded: str | None = None
         self.samples: list[dict] = []
-        self.per_prompt: dict[str, dict[str, torch.Tensor]] = {}  # model -> "accuracy"/"reward" -> score of each greedy answer
+        # (prompt set, model) -> "accuracy"/"reward" -> score of each greedy answer
+        self.per_prompt: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
 
     def load(self, path: str) -> None:
         """Put the model at `path` into the engines: a weight swap when the architecture allows it."""
@@ -99,52 +130,59 @@ class Evaluation:
             )
         self.loaded = path
 
-    def generate(self, *, n: int, temperature: float, seed: int) -> list[Rollout]:
-        return generate_across(self.engines, [p["prompt"] for p in self.prompts], seed=seed, n=n,
-                               max_new_tokens=self.cfg.generate_max_len, temperature=temperature, top_p=1.0)
-
-    def episodes(self, *, n: int, temperature: float, seed: int) -> tuple[list[Rollout], torch.Tensor]:
+    def answer(self, prompt_set: PromptSet, model: str, *, n: int, temperature: float,
+               seed: int) -> tuple[list[Rollout], torch.Tensor | None]:
+        """`n` answers per prompt, in prompt order, and the score of each: the agent's episode reward, the reward
+        function's, math-verify's 0/1 against the label; None where the set has no such score (preference_prompts,
+        or prompts without a reward function: the reward model judges those)."""
         cfg = self.cfg
-        rollouts, rewards = agent_rollouts(self.agent, self.engines, self.tokenizer, self.prompts, n=n,
-                                           temperature=temperature, top_p=1.0, max_new_tokens=cfg.generate_max_len,
-                                           max_length=cfg.prompt_max_len + cfg.generate_max_len, seed=seed,
-                                           logprobs=False, timeout_s=cfg.agent_timeout)
-        return rollouts, rewards.rewards
+        if self.agent is not None and prompt_set.format == "prompts":
+            rollouts, rewards = agent_rollouts(
+                self.agent, self.engines, self.tokenizer, prompt_set.prompts, n=n, temperature=temperature, top_p=1.0,
+                max_new_tokens=cfg.generate_max_len, max_length=cfg.prompt_max_len + cfg.generate_max_len, seed=seed,
+                logprobs=False, timeout_s=cfg.agent_timeout)
+            return rollouts, rewards.rewards
+        rollouts = generate_across(self.engines, [p["prompt"] for p in prompt_set.prompts], seed=seed, n=n,
+                                   max_new_tokens=cfg.generate_max_len, temperature=temperature, top_p=1.0)
+        labels = prompt_set.labels(n)
+        if prompt_set.format in MATH_FORMATS:
+            return rollouts, torch.tensor([float(is_correct(r.response_text, label))
+                                           for r, label in zip(rollouts, labels)])
+        if prompt_set.format == "prompts" and self.reward_source is not None:
+            return rollouts, self.rewards(model, rollouts, labels)
+        return rollouts, None
 
-    def labels(self, n: int) -> list[str]:
-        return [p["label"] for p in self.prompts for _ in range(n)]
-
-    def score(self, name: str) -> dict[str, float]:
-        """Metrics of the model in the engines, prefixed with `name_` (none for the policy)."""
+    def score(self, name: str, prompt_set: PromptSet) -> dict[str, float]:
+        """Metrics of the model in the engines on `prompt_set`, prefixed with `name_` (none for the policy)."""
         cfg = self.cfg
         prefix = "" if name == "policy" else f"{name}_"
-        if self.agent is not None:
-            greedy, agent_rewards = self.episodes(n=1, temperature=0.0, seed=cfg.seed)
-        else:
-            greedy = self.generate(n=1, temperature=0.0, seed=cfg.seed)
-        per_prompt = self.per_prompt.setdefault(name, {})
+        greedy, greedy_scores = self.answer(prompt_set, name, n=1, temperature=0.0, seed=cfg.seed)
+        per_prompt = self.per_prompt.setdefault((prompt_set.name, name), {})
         metrics = {
             "response_length": sum(len(r.response_ids) for r in greedy) / len(greedy),
             "truncated_fraction": sum(r.finish_reason == "length" for r in greedy) / len(greedy),
         }
-        shown = [{"model": name, "prompt": r.prompt, "label": label, "response": r.response_text}
-                 for r, label in list(zip(greedy, self.labels(1)))[:SAMPLES_SHOWN]]
-        if self.reward_source is not None or self.agent is not None:
-            rewards = agent_rewards if self.agent is not None else self.rewards(name, greedy, self.labels(1))
-            metrics["accuracy"] = float(rewards.mean())
-            per_prompt["accuracy"] = rewards.float().flatten()
-            for sample, reward in zip(shown, rewards.tolist()):
+        shown = [{"model": name, "benchmark": prompt_set.name, "prompt": r.prompt, "label": label,
+                  "response": r.response_text}
+                 for r, label in list(zip(greedy, prompt_set.labels(1)))[:SAMPLES_SHOWN]]
+        if prompt_set.format in MATH_FORMATS:
+            metrics["extraction_failures"] = sum(vote_key(r.response_text) is None for r in greedy) / len(greedy)
+        if greedy_scores is not None:
+            metrics["accuracy"] = float(greedy_scores.mean())
+            per_prompt["accuracy"] = greedy_scores.float().flatten()
+            for sample, reward in zip(shown, greedy_scores.tolist()):
                 sample["reward"] = reward
-            k = cfg.eval_n_samples_per_prompt
+            k = prompt_set.n_samples
             if k:
-                if self.agent is not None:
-                    sampled_rewards = self.episodes(n=k, temperature=cfg.eval_temperature,
-                                                    seed=cfg.seed + 1)[1].view(-1, k)
-                else:
-                    sampled = self.generate(n=k, temperature=cfg.eval_temperature, seed=cfg.seed + 1)
-                    sampled_rewards = self.rewards(name, sampled, self.labels(k)).view(-1, k)
-                metrics["pass1"] = float(sampled_rewards.mean())
-                metrics[f"pass{k}"] = float(sampled_rewards.max(dim=1).values.mean())
+                sampled, sampled_scores = self.answer(prompt_set, name, n=k, temperature=cfg.eval_temperature,
+                                                      seed=cfg.seed + 1)
+                sampled_scores = sampled_scores.view(-1, k)
+                metrics["pass1"] = float(sampled_scores.mean())
+                metrics[f"pass{k}"] = float(sampled_scores.max(dim=1).values.mean())
+                if self.agent is None or prompt_set.format != "prompts":  # an episode has no one final answer
+                    votes = [[vote_key(r.response_text) for r in sampled[i * k:(i + 1) * k]]
+                             for i in range(len(prompt_set.prompts))]
+                    metrics[f"maj{k}"] = float(majority_vote(votes, sampled_scores).mean())
         if self.reward_group is not None:
             batch = build_sequences([r.prompt_ids for r in greedy], [list(r.response_ids) for r in greedy],
                                     self.pad_token_id)
@@ -154,22 +192,24 @@ class Evaluation:
             for sample, score in zip(shown, scores.tolist()):
                 sample["reward_model_score"] = score
         self.samples += shown
-        return {f"{prefix}{key}": value for key, value in metrics.items()}
+        return {prompt_set.key(f"{prefix}{key}"): value for key, value in metrics.items()}
 
     def comparisons(self) -> dict[str, float]:
-        """The policy against each other model on the same prompts: accuracy and reward gains and the reward model's
-        win rate, each with its 95% interval (`_low`, `_high`); none on fewer than two prompts."""
+        """The policy against each other model on the same prompts of each set: accuracy and reward gains and the
+        reward model's win rate, each with its 95% interval (`_low`, `_high`); none on fewer than two prompts."""
         metrics: dict[str, float] = {}
-        policy = self.per_prompt.get("policy", {})
-        for other in ("reference", "production"):
-            for score, baseline in self.per_prompt.get(other, {}).items():
-                if score not in policy or len(policy[score]) < 2:
-                    continue
-                found = {f"{score}_gain_vs_{other}": paired_gain(policy[score], baseline)}
-                if score == "reward":
-                    found[f"win_rate_vs_{other}"] = win_rate(policy[score], baseline)
-                for key, (value, low, high) in found.items():
-                    metrics |= {key: value, f"{key}_low": low, f"{key}_high": high}
+        for prompt_set in self.prompt_sets:
+            policy = self.per_prompt.get((prompt_set.name, "policy"), {})
+            for other in ("reference", "production"):
+                for score, baseline in self.per_prompt.get((prompt_set.name, other), {}).items():
+                    if score not in policy or len(policy[score]) < 2:
+                        continue
+                    found = {f"{score}_gain_vs_{other}": paired_gain(policy[score], baseline)}
+                    if score == "reward":
+                        found[f"win_rate_vs_{other}"] = win_rate(policy[score], baseline)
+                    for key, (value, low, high) in found.items():
+                        key = prompt_set.key(key)
+                        metrics |= {key: value, f"{key}_low": low, f"{key}_high": high}
         return metrics
 
     def rewards(self, model: str, rollouts: list[Rollout], labels: list[str]) -> torch.Tensor:
@@ -185,8 +225,10 @@ class Evaluation:
         return batch.rewards
 
     def policy_samples(self) -> list[Rollout]:
-        """Samples of the loaded policy at temperature 1 with their log-probs: the KL is an expectation under it."""
-        return generate_across(self.engines, [p["prompt"] for p in self.prompts], seed=self.cfg.seed + 2, n=1,
+        """Samples of the loaded policy at temperature 1 with their log-probs on the first prompt set (--prompt_data
+        where given): the KL is an expectation under it."""
+        prompts = [p["prompt"] for p in self.prompt_sets[0].prompts]
+        return generate_across(self.engines, prompts, seed=self.cfg.seed + 2, n=1,
                                max_new_tokens=self.cfg.generate_max_len, temperature=1.0, top_p=1.0, logprobs=True)
 
     def kl_to_loaded(self, samples: list[Rollout]) -> float:
@@ -203,18 +245,49 @@ class Evaluation:
             ray.kill(engine)
 
 
+def benchmark_prompts(benchmark: Benchmark, cfg, tokenizer) -> list[dict]:
+    """The prompts of one benchmark, rendered and tokenized as the stage's prompts are, with their labels."""
+    rows = data.load_rows(benchmark.dataset, split=benchmark.split, max_samples=benchmark.max_samples,
+                          subset=benchmark.subset)
+    prompts, labels = benchmark_rows(benchmark, rows, cfg)
+    return data.build_prompt_examples(datasets.Dataset.from_dict({"prompt": prompts, "label": labels}), tokenizer,
+                                      input_key="prompt", label_key="label",
+                                      apply_chat_template=cfg.apply_chat_template, prompt_max_len=cfg.prompt_max_len,
+                                      input_template=cfg.input_template)
+
+
+def check_scorable(prompt_sets: list[PromptSet], cfg) -> None:
+    """Refuse, before any engine starts, a prompt set nothing could score."""
+    for prompt_set in prompt_sets:
+        what = f"benchmark {prompt_set.name} ({prompt_set.format})" if prompt_set.name else "--prompt_data"
+        if prompt_set.format == "preference_prompts" and not cfg.reward_pretrain:
+            raise StageInputError(f"{what} is judged by a reward model: set --reward_pretrain")
+        if prompt_set.format == "prompts" and not (cfg.reward_pretrain or cfg.remote_rm_url or cfg.agent_func_path):
+            raise StageInputError(f"{what} is scored by the stage's reward: set --remote_rm_url, --reward_pretrain or "
+                             "--agent_func_path")
+        if not prompt_set.prompts:
+            raise StageInputError(f"{what} has no prompts to evaluate on")
+
+
 def run(cfg) -> dict[str, Any]:
     from stages.evaluate.config import EvaluateConfig
     from stages.model_io import load_tokenizer, resolve_model_path
 
-    rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
-                             validate=cfg.validate_rows)
     models = {"policy": cfg.pretrain, "reference": cfg.ref_pretrain, "production": cfg.production_pretrain}
     models = {name: resolve_model_path(path) for name, path in models.items() if path}
     tokenizer = load_tokenizer(models["policy"])
-    prompts = data.build_prompt_examples(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
-                                         apply_chat_template=cfg.apply_chat_template,
-                                         prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
+    prompt_sets = []
+    if cfg.prompt_data:
+        rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
+                                 validate=cfg.validate_rows)
+        prompts = data.build_prompt_examples(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
+                                             apply_chat_template=cfg.apply_chat_template,
+                                             prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
+        prompt_sets.append(PromptSet("", "prompts", prompts, cfg.eval_n_samples_per_prompt))
+    for benchmark in cfg.eval_suite or []:
+        prompt_sets.append(PromptSet(benchmark.name, benchmark.format, benchmark_prompts(benchmark, cfg, tokenizer),
+                                     benchmark.n_samples))
+    check_scorable(prompt_sets, cfg)
     init_ray()
     device = cluster_device(cfg.device)
     note_limits("evaluate", cfg, device)
@@ -229,15 +302,18 @@ def run(cfg) -> dict[str, Any]:
                                                       owned=True), threads=cpu_threads(cfg.num_gpus_per_node))
         ray.get(reward_group.rendezvous())
         reward_group.run("setup", cfg.model_dump(), EvaluateConfig)
-    evaluation = Evaluation(cfg, prompts, tokenizer, reward_group, bundle)
+    evaluation = Evaluation(cfg, prompt_sets, tokenizer, reward_group, bundle)
     try:
         evaluation.load(models["policy"])
-        metrics = evaluation.score("policy")
+        metrics = {}
+        for prompt_set in prompt_sets:
+            metrics |= evaluation.score("policy", prompt_set)
         samples = evaluation.policy_samples() if "reference" in models else []
         for name in ("reference", "production"):
             if name in models:
                 evaluation.load(models[name])
-                metrics.update(evaluation.score(name))
+                for prompt_set in prompt_sets:
+                    metrics |= evaluation.score(name, prompt_set)
                 if name == "reference":
                     metrics["kl_mean"] = evaluation.kl_to_loaded(samples)
     finally:
@@ -245,7 +321,8 @@ def run(cfg) -> dict[str, Any]:
         if reward_group is not None:
             reward_group.shutdown()
     metrics |= evaluation.comparisons()
-    metrics["prompts"] = len(prompts)
+    for prompt_set in prompt_sets:
+        metrics[prompt_set.key("prompts")] = len(prompt_set.prompts)
     ds.write_metrics(cfg.save_path, metrics)
     with open(Path(cfg.save_path) / "samples.jsonl", "w") as out:
         for sample in evaluation.samples:
