@@ -84,6 +84,22 @@ def policy_stage(shape: str) -> str:
     return stage
 
 
+class GateRule(StrictModel):
+    """One benchmark of the evaluation suite (evaluate.eval_suite) that the candidate must pass: a gain over its
+    reference, and no regression against production beyond a tolerance, in one metric. With the gate's
+    decide_on_intervals, judged on the bound of the 95% interval, like the gate's own comparisons."""
+
+    benchmark: str = Field(description="name of a benchmark of evaluate.eval_suite")
+    metric: Literal["accuracy", "reward", "win_rate"] = Field(
+        description="accuracy (a gsm8k, math or prompts benchmark), reward (the reward model's mean score) or "
+        "win_rate (the reward model's, ties half; its gain is the win rate above 0.5)",
+    )
+    min_gain: float = Field(0.0, description="gain over the reference the candidate must reach (at least)")
+    max_regression: float = Field(
+        0.01, ge=0, description="tolerance against production: how far below it the candidate may be",
+    )
+
+
 class PromotionGate(StrictModel):
     """What the evaluation must show for the candidate policy to become `production`.
 
@@ -117,6 +133,11 @@ class PromotionGate(StrictModel):
         description="judge each comparison on its 95% interval: a gain must pass with the interval's low end, a "
         "regression against production must stay within tolerance at its high end (a difference within noise then "
         "neither promotes a candidate nor replaces production); off: on the differences themselves",
+    )
+    rules: list[GateRule] = Field(
+        default_factory=list,
+        description="benchmarks of evaluate.eval_suite the candidate must pass too, each on its own prompts (at least "
+        "min_prompts of them)",
     )
     require_approval: bool = Field(
         False,
@@ -189,6 +210,16 @@ class PipelineConfig(StrictModel):
                 if self.tiny_assets_dir is not None and any((stage, f) in TINY_ASSET_FIELDS for f in group):
                     continue
                 missing.append(" or ".join(f"{stage}.{field}" for field in group))
+        suite = {benchmark.name: benchmark for benchmark in self.evaluate.eval_suite or []}
+        for rule in self.gate.rules:
+            if rule.benchmark not in suite:
+                raise ValueError(f"gate.rules: {rule.benchmark} is not a benchmark of evaluate.eval_suite "
+                                 f"({', '.join(sorted(suite)) or 'none'})")
+            if rule.metric == "accuracy" and suite[rule.benchmark].format == "preference_prompts":
+                raise ValueError(f"gate.rules: {rule.benchmark} (preference_prompts) has no accuracy, only the reward "
+                                 "model's reward and win_rate")
+        if "evaluate" in self.stages and self.tiny_assets_dir is None:
+            missing += [f"evaluate.eval_suite {b.name}.dataset" for b in suite.values() if b.dataset is None]
         if missing:
             source = "no tiny_assets_dir" if self.tiny_assets_dir is None else "the tiny assets do not either"
             raise ValueError(f"{', '.join(missing)} unset: no stage of shape {self.shape!r} provides "

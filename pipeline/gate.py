@@ -15,13 +15,14 @@ new production, before it decides; of two concurrent promotions the better polic
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
 from infra.artifacts import ArtifactStore
-from pipeline.config import PromotionGate
+from pipeline.config import GateRule, PromotionGate
 from pipeline.identity import StageResult
-from pipeline.report import MODELS, metrics_by_model, metrics_table
+from pipeline.report import MODELS, metrics_by_model, metrics_table, model_metric
 
 PRODUCTION_ALIAS = "production"
 # The evaluation's paired comparison of each metric the gate compares (stages/evaluate/run.py)
@@ -112,6 +113,9 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
         if against_production == 0:
             record(False, f"report has no production_ metrics although production v{production_version} exists")
 
+    for rule in gate.rules:
+        check_rule(rule, metrics, gate, production_version, record)
+
     kl = metrics.get("kl_mean")
     if kl is None:
         record(False, "report has no kl_mean")
@@ -120,6 +124,38 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
         record(math.isfinite(kl) and bound_ok,
                f"kl_mean {kl:.4f} (needs finite{'' if gate.max_kl_mean is None else f', <= {gate.max_kl_mean}'})")
     return not failures, [f"FAIL {line}" for line in failures] + [f"ok   {line}" for line in passes]
+
+
+def check_rule(rule: GateRule, metrics: dict, gate: PromotionGate, production_version: int | None,
+               record: Callable[[bool, str], None]) -> None:
+    """Record whether the report passes `rule`: enough prompts of its benchmark, the gain over the reference, and
+    against production (when one exists) no regression beyond the rule's tolerance."""
+    name = rule.benchmark
+    judged = metrics.get(f"{name}/prompts", 0)
+    if judged < gate.min_prompts:
+        record(False, f"{name}: not deciding on {judged} prompts (needs >= {gate.min_prompts})")
+        return
+    comparison = "win_rate" if rule.metric == "win_rate" else f"{rule.metric}_gain"
+    offset = 0.5 if rule.metric == "win_rate" else 0.0  # a win rate's gain is its distance above a tie
+    others = ("reference", "production") if production_version is not None else ("reference",)
+    for other in others:
+        key = f"{name}/{comparison}_vs_{other}"
+        if key not in metrics:
+            record(False, f"{name}: report has no {key} (the benchmark's format or the stage's models do not give it)")
+            continue
+        gain = metrics[key] - offset
+        low = metrics.get(f"{key}_low")
+        judged_gain = gain if not gate.decide_on_intervals else (-math.inf if low is None else low - offset)
+        shown = f"{gain:+.4f}" + (f", 95% interval [{low - offset:+.4f}, {metrics[f'{key}_high'] - offset:+.4f}]"
+                                  if gate.decide_on_intervals and low is not None else "")
+        if other == "reference":
+            record(judged_gain >= rule.min_gain - ROUNDING,
+                   f"{name}: {rule.metric} gain over the reference {shown} on {judged} prompts (needs >= "
+                   f"{rule.min_gain:+.4f})")
+        else:
+            record(-judged_gain <= rule.max_regression + ROUNDING,
+                   f"{name}: {rule.metric} vs production v{production_version}: gain {shown} on {judged} prompts "
+                   f"(regression tolerance {rule.max_regression})")
 
 
 def scores_by_model(metrics: dict) -> dict[str, dict[str, float | int | str]]:
@@ -153,7 +189,7 @@ def decision_markdown(decision: PromotionDecision, report_uri: str) -> str:
         verdict = "promoted to `production`" if decision.promoted else "**not promoted**"
     against = ("no production policy yet" if decision.production_version is None
                else f"production is {decision.stage} v{decision.production_version}")
-    metrics = {f"{model}_{name}" if model != "policy" else name: value
+    metrics = {model_metric(model, name): value
                for model, values in decision.scores.items() for name, value in values.items()}
     approval = f"\n\napproval: {decision.approval}" if decision.approval else ""
     return (f"### {decision.stage} v{decision.version}: {verdict}\n\n"

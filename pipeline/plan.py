@@ -43,6 +43,7 @@ from pipeline.prepare import prepare
 from stages.cli import flag_words
 from stages.config import StageConfig
 from stages.errors import DataValidationError, StageInputError
+from stages.evaluate.suite import benchmark_rows
 from stages.fields import Dataset, Launcher, ModelPath, Output, RewardSource, fields_with, names_with
 from stages.fingerprint import (
     HubUnavailable,
@@ -185,6 +186,9 @@ def command_line(stage: str, values: dict, settings: Settings, width: int = 110)
         default = cls.model_fields[name].default
         if name in hidden or value == (list(default) if isinstance(default, tuple) else default):
             continue
+        if isinstance(value, list) and value and isinstance(value[0], dict):  # a preset's list (the eval suite)
+            units.append(f"--{name} <the {name} listed below>")
+            continue
         units.append(shlex.join(flag_words(name, value)))
     units.append("--save_path <workspace>/output" + (" --ckpt_path <workspace>/ckpt" if "ckpt_path" in values else ""))
     lines = [units[0]]
@@ -199,7 +203,7 @@ def command_line(stage: str, values: dict, settings: Settings, width: int = 110)
 
 # ---------------------------------------------------------------------------------------------- data
 
-def _first_rows(source: str, split: str, fingerprint: str):
+def _first_rows(source: str, split: str, fingerprint: str, subset: str | None = None):
     """The first PLAN_ROWS rows of `source` (a hub dataset streamed at its pinned revision)."""
     from stages import data
     from stages.fingerprint import split_revision
@@ -209,9 +213,9 @@ def _first_rows(source: str, split: str, fingerprint: str):
 
         path, split = data.split_source(source, split)
         name, revision = split_revision(path)
-        streamed = datasets.load_dataset(name, split=split, revision=revision, streaming=True).take(PLAN_ROWS)
+        streamed = datasets.load_dataset(name, subset, split=split, revision=revision, streaming=True).take(PLAN_ROWS)
         return datasets.Dataset.from_list(list(streamed))
-    return data.load_rows(source, split=split, max_samples=PLAN_ROWS)
+    return data.load_rows(source, split=split, max_samples=PLAN_ROWS, subset=subset)
 
 
 def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[DatasetCheck]:
@@ -221,7 +225,14 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
     datasets = sorted(fields_with(type(cfg), Dataset).items(), key=lambda item: item[1].held_out)  # training first
     parts = [(field, role, source) for field, role in datasets if values[field]
              for source in mixture_parts(values[field])]  # a mixture: each of its datasets
-    for field, role, source in parts:
+    checks_of = [(field, source, lambda rows, source: cfg.validate_rows(rows, source), values[role.split], None)
+                 for field, role, source in parts]
+    for benchmark in getattr(cfg, "eval_suite", None) or []:  # the evaluation's benchmarks, in their formats
+        if benchmark.dataset:
+            checks_of.append((f"eval_suite/{benchmark.name}", benchmark.dataset,
+                              lambda rows, _, benchmark=benchmark: benchmark_rows(benchmark, rows, cfg),
+                              benchmark.split, benchmark.subset))
+    for field, source, validate, split, subset in checks_of:
         if unpinned_hub_dataset(source):  # pin_hub_sources could not tell its revision and said so
             checks.append(DatasetCheck(field=field, source=source, fingerprint=f"hub:{source}@unknown",
                                        schema_check=f"not checked: {HUB_UNREACHABLE}"))
@@ -232,8 +243,8 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
             checks.append(DatasetCheck(field=field, source=source, fingerprint=fingerprint, schema_check="missing"))
             continue
         try:
-            rows = _first_rows(source, values[role.split], fingerprint)
-            cfg.validate_rows(rows, source)  # what the stage itself checks
+            rows = _first_rows(source, split, fingerprint, subset)
+            validate(rows, source)  # what the stage itself checks
             result = f"ok ({len(rows)} rows)"
         except DataValidationError as error:
             problems.append(f"{stage}.{field}: {error}")
@@ -318,6 +329,32 @@ def check_gate_sample(config: PipelineConfig, notes: list[str], problems: list[s
     if most < least:
         problems.append(f"evaluate.max_samples={most} is below gate.min_prompts={least}: no candidate could ever "
                         "be promoted")
+    suite = {benchmark.name: benchmark for benchmark in config.evaluate.eval_suite or []}
+    for benchmark in suite.values():
+        rules = [rule.metric for rule in config.gate.rules if rule.benchmark == benchmark.name]
+        seen = _benchmark_prompts(benchmark, config.evaluate)
+        notes.append(f"eval suite: {benchmark.name} ({benchmark.format}, {benchmark.dataset}@{benchmark.split}, "
+                     f"{seen}, {benchmark.n_samples} samples per prompt)"
+                     + (f"; gate rules on its {', '.join(rules)}" if rules else "; no gate rule"))
+        if rules and benchmark.max_samples < least:
+            problems.append(f"evaluate.eval_suite {benchmark.name}: max_samples={benchmark.max_samples} is below "
+                            f"gate.min_prompts={least}: its gate rules could never pass")
+
+
+def _benchmark_prompts(benchmark, cfg: StageConfig) -> str:
+    """How many prompts a benchmark's models answer (up to max_samples), where the plan can read its data here."""
+    from stages import data
+
+    if benchmark.dataset is None or unpinned_hub_dataset(benchmark.dataset) or dataset_fingerprint(
+            benchmark.dataset).startswith(("hub:", "missing")):
+        return f"at most {benchmark.max_samples} prompts"
+    try:
+        rows = data.load_rows(benchmark.dataset, split=benchmark.split, max_samples=benchmark.max_samples,
+                              subset=benchmark.subset)
+        prompts, _ = benchmark_rows(benchmark, rows, cfg)
+    except DataValidationError:  # check_datasets reports it
+        return f"at most {benchmark.max_samples} prompts"
+    return f"{len(prompts)} prompts"
 
 
 def pin_hub_sources(config: PipelineConfig, problems: list[str], notes: list[str], *, must_pin: bool,
@@ -332,20 +369,25 @@ def pin_hub_sources(config: PipelineConfig, problems: list[str], notes: list[str
         section = config.section(stage)
         pins = {field: pin_hub_revision for field in fields_with(type(section), Dataset)}
         pins |= {field: pin_hub_model for field in fields_with(type(section), ModelPath) if field not in wiring[stage]}
-        values = {}
-        for field, pin in pins.items():
-            source = getattr(section, field)
-            if not source:
-                continue
+
+        def pinned(where: str, source: str, pin: Callable[[str], str]) -> str:
             try:
-                values[field] = pin(source)
+                return pin(source)
             except HubUnavailable as error:
                 unpinned.add(stage)
                 (problems if must_pin else notes).append(
-                    f"{stage}.{field}: {error}" + ("; retry when the hub answers" if must_pin else
-                                                   "; not pinned here, the flow's plan pins it"))
+                    f"{where}: {error}" + ("; retry when the hub answers" if must_pin else
+                                           "; not pinned here, the flow's plan pins it"))
             except StageInputError as error:
-                problems.append(f"{stage}.{field}: {error}")
+                problems.append(f"{where}: {error}")
+            return source
+
+        values = {field: pinned(f"{stage}.{field}", getattr(section, field), pin) for field, pin in pins.items()
+                  if getattr(section, field)}
+        if getattr(section, "eval_suite", None):  # the evaluation's benchmarks: hub datasets too
+            values["eval_suite"] = [benchmark.model_copy(update={"dataset": pinned(
+                f"{stage}.eval_suite {benchmark.name}", benchmark.dataset, pin_hub_revision)})
+                if benchmark.dataset else benchmark for benchmark in section.eval_suite]
         sections[stage] = section.model_copy(update=values)
     return config.model_copy(update=sections), unpinned
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.config import TINY_ASSET_FIELDS, PipelineConfig, shape_inputs
+from stages.evaluate.suite import TINY_BENCHMARK_ASSETS
 from stages.fields import path_fields
 
 
@@ -32,6 +33,9 @@ def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> Pipel
         assets_dir = Path(config.tiny_assets_dir).expanduser().resolve()
         assets = {**tiny.build_tiny_assets(assets_dir), "rule_reward": Path(tiny.__file__).with_name("tiny_reward.py")}
         log(f"tiny assets in {assets_dir}")
+        for benchmark in evaluation.get("eval_suite") or []:  # a benchmark without data: the tiny one in its format
+            if benchmark["dataset"] is None:
+                benchmark["dataset"] = str(assets[TINY_BENCHMARK_ASSETS[benchmark["format"]]])
         for (stage, field), asset in TINY_ASSET_FIELDS.items():
             if stage not in sections or field in wiring[stage] or sections[stage][field] is not None:
                 continue
@@ -45,5 +49,7 @@ def prepare(config: PipelineConfig, log: Callable[[str], None] = print) -> Pipel
     for stage, section in sections.items():
         for field in path_fields(type(config.section(stage))):
             section[field] = _absolute_if_local(section[field])
+    for benchmark in evaluation.get("eval_suite") or []:
+        benchmark["dataset"] = _absolute_if_local(benchmark["dataset"])
     return config.model_copy(update={stage: type(config.section(stage)).model_validate(values)
                                      for stage, values in sections.items()})

@@ -8,7 +8,8 @@ values). The swaps, each with its reason (what a GPU cluster has and this machin
   earlier stage of the pipeline feeds is not swapped;
 - datasets (the fields declared Dataset) -> tiny fixtures in the config's own format (its column names; chat
   messages where it applies a chat template; whole conversations where preference data has no prompt column;
-  KTO's label column), held-out rows where the field is held out;
+  KTO's label column), held-out rows where the field is held out; each benchmark of the evaluation's suite -> the
+  tiny task's held-out prompts in the benchmark's format;
 - `device` -> cpu, one rollout engine without tensor parallelism (GPU-only flags such as `flash_attn` or the sleep
   modes are kept: the stage says once that they cannot act on CPU);
 - ranks: every `*num_gpus_per_node` down to at most 2 CPU ranks, `*num_nodes` to 1, `ring_attn_size` to at most 2;
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PipelineConfig, shape_inputs, validate_pipeline
+from stages.evaluate.suite import FORMAT_COLUMNS, TINY_BENCHMARK_ASSETS
 from stages.fields import Dataset, ModelPath, fields_with
 from stages.fingerprint import mixture_parts
 from stages.registry import OFFLINE_STAGES, STAGES
@@ -245,6 +247,31 @@ def _data_swaps(stage: str, values: dict, stand_ins: StandIns) -> list[tuple[str
     return swaps
 
 
+def _suite_swaps(values: dict, stand_ins: StandIns) -> list[tuple[str, Any, str]]:
+    """Each benchmark of an evaluation suite -> the tiny task's held-out prompts in its format, under its columns,
+    EVAL_PROMPTS of them."""
+    from stages import tiny
+
+    if not values.get("eval_suite"):
+        return []
+    rehearsed = []
+    for benchmark in values["eval_suite"]:
+        asset = TINY_BENCHMARK_ASSETS[benchmark["format"]]
+        rows = [json.loads(line) for line in (stand_ins.data_dir / tiny.DATASET_FILES[asset]).read_text().splitlines()]
+        if benchmark["format"] == "prompts":
+            rows = fixture_rows("evaluate", values, rows)
+        default_input, default_label = FORMAT_COLUMNS[benchmark["format"]]
+        renames = {default_input: benchmark.get("input_key"), default_label or "solution": benchmark.get("label_key")}
+        rows = [{renames.get(column) or column: value for column, value in row.items()} for row in rows]
+        path = stand_ins.fixtures_dir / f"evaluate_eval_suite_{benchmark['name']}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        rehearsed.append({**benchmark, "dataset": str(path), "max_samples": min(benchmark["max_samples"],
+                                                                                EVAL_PROMPTS)})
+    return [("eval_suite", rehearsed, f"each benchmark: {EVAL_PROMPTS} of the tiny task's held-out prompts in its "
+             "format and columns")]
+
+
 # ---------------------------------------------------------------------------------------------- rehearsals
 
 def rehearse_stage(stage: str, values: dict, stand_ins: StandIns, wired: set[str] = frozenset()
@@ -253,7 +280,7 @@ def rehearse_stage(stage: str, values: dict, stand_ins: StandIns, wired: set[str
     pipeline feeds (not swapped)."""
     changes = (_device_swaps(values) + _rank_swaps(values) + _length_swaps(values) + _checkpoint_swaps(stage, values)
                + BATCH_RULES[stage](values) + _model_swaps(stage, values, stand_ins, wired)
-               + _data_swaps(stage, values, stand_ins))
+               + _data_swaps(stage, values, stand_ins) + _suite_swaps(values, stand_ins))
     swaps = [Swap(stage, field, values.get(field), after, why) for field, after, why in changes]
     return {**values, **{swap.field: swap.after for swap in swaps}}, swaps
 

@@ -22,7 +22,7 @@ from pipeline.identity import StageResult
 
 MODELS = ("policy", "reference", "production")
 # The evaluation's paired comparisons of the policy with another model, and their interval bounds
-COMPARISON = re.compile(r"(accuracy_gain|reward_gain|win_rate)_vs_(reference|production)")
+COMPARISON = re.compile(r"(?:[\w.-]+/)?(accuracy_gain|reward_gain|win_rate)_vs_(reference|production)")
 COMPARISON_OR_BOUND = re.compile(COMPARISON.pattern + r"(_low|_high)?")
 CURVE_FILE = "learning_curve.png"
 # Panels of the learning curve: (title, history keys drawn in it); a panel without data is left out.
@@ -45,18 +45,35 @@ def comparisons(metrics: dict) -> dict[str, tuple[float, float | None, float | N
 
 
 def metrics_by_model(metrics: dict) -> dict[str, dict[str, float | int | str]]:
-    """{metric name: {model: value}}: `reference_x` and `production_x` are x of those models, the rest the policy's
-    (paired comparisons left out: `comparisons`)."""
+    """{metric name: {model: value}}: `reference_x` and `production_x` are x of those models, the rest the policy's,
+    and likewise after a benchmark's `<name>/` (`gsm8k/reference_accuracy` is the reference's `gsm8k/accuracy`);
+    paired comparisons left out (`comparisons`)."""
     table: dict[str, dict[str, float | int | str]] = {}
     for key, value in metrics.items():
         if COMPARISON_OR_BOUND.fullmatch(key):
             continue
-        model, name = "policy", key
+        benchmark, slash, rest = key.rpartition("/")
+        model, name = "policy", rest
         for prefix in MODELS[1:]:
-            if key.startswith(prefix + "_"):
-                model, name = prefix, key.removeprefix(prefix + "_")
-        table.setdefault(name, {})[model] = value
+            if rest.startswith(prefix + "_"):
+                model, name = prefix, rest.removeprefix(prefix + "_")
+        table.setdefault(benchmark + slash + name, {})[model] = value
     return dict(sorted(table.items()))
+
+
+def model_metric(model: str, name: str) -> str:
+    """The report's key of `model`'s metric `name` (the inverse of metrics_by_model)."""
+    benchmark, slash, rest = name.rpartition("/")
+    return benchmark + slash + (rest if model == "policy" else f"{model}_{rest}")
+
+
+def by_benchmark(metrics: dict) -> dict[str, dict]:
+    """{benchmark: its metrics without the `<name>/` prefix}; "" holds the metrics of --prompt_data and the KL."""
+    groups: dict[str, dict] = {}
+    for key, value in metrics.items():
+        benchmark, _, rest = key.rpartition("/")
+        groups.setdefault(benchmark, {})[rest] = value
+    return dict(sorted(groups.items()))
 
 
 def _cell(value) -> str:
@@ -68,7 +85,16 @@ def _cell(value) -> str:
 
 
 def metrics_table(metrics: dict) -> str:
-    """Markdown table: a row per metric, columns policy and reference, and production when it was scored."""
+    """Markdown tables, one per benchmark (the held-out prompts' first, untitled): a row per metric, columns policy
+    and reference, and production when it was scored; then the paired comparisons with their intervals."""
+    parts = []
+    for benchmark, values in by_benchmark(metrics).items():
+        table = _benchmark_table(values)
+        parts.append(f"**{benchmark}** ({values.get('prompts', '?')} prompts)\n\n{table}" if benchmark else table)
+    return "\n\n".join(parts)
+
+
+def _benchmark_table(metrics: dict) -> str:
     rows = metrics_by_model(metrics)
     scored = {model for by_model in rows.values() for model in by_model}
     columns = [model for model in MODELS if model != "production" or model in scored]
@@ -145,7 +171,16 @@ def _answer(sample: dict | None) -> str:
 
 
 def samples_table(samples: list[dict]) -> str:
-    """Markdown table: a row per held-out prompt, its label, and each model's answer with its reward."""
+    """Markdown tables, one per benchmark: a row per held-out prompt, its label, and each model's answer with its
+    reward."""
+    benchmarks: dict[str, list[dict]] = {}
+    for sample in samples:
+        benchmarks.setdefault(sample.get("benchmark") or "", []).append(sample)
+    return "\n\n".join(f"**{name}**\n\n{_samples_table(rows)}" if name else _samples_table(rows)
+                        for name, rows in benchmarks.items())
+
+
+def _samples_table(samples: list[dict]) -> str:
     by_prompt: dict[str, dict] = {}
     for sample in samples:
         row = by_prompt.setdefault(sample["prompt"], {"label": sample.get("label")})

@@ -100,7 +100,7 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     # The approval fields act in the flow (tests/test_deployment.py: approved in the browser, rejected by timeout).
     assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "min_prompts", "max_kl_mean",
                                                "max_reward_regression", "max_accuracy_regression",
-                                               "require_approval", "approval_timeout_s", "decide_on_intervals"}
+                                               "require_approval", "approval_timeout_s", "decide_on_intervals", "rules"}
     assert load_pipeline_config("tiny").gate.max_accuracy_regression == 0.02
     report = {"accuracy": 0.50, "reference_accuracy": 0.30, "reward_mean": 1.0, "reference_reward_mean": 0.5,
               "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02, "prompts": 200}
