@@ -220,6 +220,13 @@ class PipelineConfig(StrictModel):
                                  "model's reward and win_rate")
         if "evaluate" in self.stages and self.tiny_assets_dir is None:
             missing += [f"evaluate.eval_suite {b.name}.dataset" for b in suite.values() if b.dataset is None]
+        judged_by_model = self.evaluate.reward_pretrain is not None or "reward_pretrain" in wiring.get("evaluate", {})
+        needs_model = [f"benchmark {b.name} (preference_prompts)" for b in suite.values()
+                       if b.format == "preference_prompts"]
+        needs_model += [f"gate rule on {r.benchmark}'s {r.metric}" for r in self.gate.rules if r.metric != "accuracy"]
+        if "evaluate" in self.stages and needs_model and not judged_by_model:
+            raise ValueError(f"evaluate.eval_suite: {', '.join(needs_model)} needs a reward model, and shape "
+                             f"{self.shape!r} has none to give the evaluation (set evaluate.reward_pretrain)")
         if missing:
             source = "no tiny_assets_dir" if self.tiny_assets_dir is None else "the tiny assets do not either"
             raise ValueError(f"{', '.join(missing)} unset: no stage of shape {self.shape!r} provides "

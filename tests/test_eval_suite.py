@@ -150,6 +150,13 @@ def test_gate_rules_must_name_a_benchmark_of_the_suite_that_has_the_metric():
                            ({"benchmark": "chat", "metric": "accuracy"}, "chat (preference_prompts) has no accuracy")]:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             load_pipeline_config("tiny", {"evaluate": {"eval_suite": SUITE}, "gate": {"rules": [rule]}})
+    # Shapes without a reward model cannot judge preference prompts nor decide on win rates: said at load time.
+    with pytest.raises(ConfigError, match=re.escape("evaluate.eval_suite: benchmark chat (preference_prompts), gate "
+                                                    "rule on chat's win_rate needs a reward model, and shape 'sft-dpo' "
+                                                    "has none")):
+        load_pipeline_config("tiny", {"shape": "sft-dpo", "evaluate": {"eval_suite": SUITE},
+                                      "gate": {"rules": [{"benchmark": "chat", "metric": "win_rate"}]}})
+    assert load_pipeline_config("tiny", {"shape": "sft-rm-rl", "evaluate": {"eval_suite": SUITE}})
     with pytest.raises(ConfigError, match="evaluate.eval_suite gsm8k.dataset unset"):
         load_pipeline_config("llama3-8b", {"evaluate": {"eval_suite": [{"name": "gsm8k", "format": "gsm8k"}]},
                                            "gate": {"rules": []}})
