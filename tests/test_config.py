@@ -394,7 +394,7 @@ def test_missing_inputs_are_named(capsys):
     assert "missing required --pretrain, --dataset" in parse_error(capsys, "sft", TINY)
     err = parse_error(capsys, "evaluate", [*TINY, "--pretrain", "p", "--prompt_data", "d"])
     assert "missing required --reward_pretrain or --remote_rm_url or --agent_func_path, the dataset of eval_suite " \
-           "benchmark(s) gsm8k, math, preferences (a tiny pipeline fills it in" in err
+           "benchmark(s) gsm8k, math (a tiny pipeline fills it in" in err
     both = ["--pretrain", "p", "--prompt_data", "d", "--reward_pretrain", "rm", "--remote_rm_url", "reward.py",
             "--eval_suite", "none"]
     assert parse_stage_args(STAGES["evaluate"], [*TINY, *both]).remote_rm_url == "reward.py"  # evaluation may use both
