@@ -64,6 +64,16 @@ def production_baseline(store: ArtifactStore, policy: StageResult) -> StageResul
     return None if version is None else StageResult.from_manifest(store.get(policy.stage, version), reused=True)
 
 
+def judged_on(gain: float, bounds: list[float | None], gate: PromotionGate) -> tuple[float, str]:
+    """(what the gate judges of a gain: the gain itself, or with decide_on_intervals its interval's low end `bounds[0]`
+    (-inf without an interval), and how a reason line shows it)."""
+    if not gate.decide_on_intervals:
+        return gain, f"{gain:+.4f}"
+    if None in bounds:
+        return -math.inf, f"{gain:+.4f} without the interval decide_on_intervals needs"
+    return bounds[0], f"{gain:+.4f}, 95% interval [{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
+
+
 def check_gate(metrics: dict, gate: PromotionGate, production_version: int | None = None) -> tuple[bool, list[str]]:
     """(passed, one line per criterion, failures first). `production_version`: the production policy the report
     must have scored (its `production_` metrics), or None."""
@@ -79,11 +89,7 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
         """(the gain, what the gate judges: the gain or its interval's low end, how the line shows it)."""
         gain = metrics[name] - metrics[f"{other}_{name}"]
         bounds = [metrics.get(f"{GAIN_METRICS[name]}_vs_{other}{end}") for end in ("_low", "_high")]
-        if not gate.decide_on_intervals:
-            return gain, gain, f"{gain:+.4f}"
-        if None in bounds:
-            return gain, -math.inf, f"{gain:+.4f} without the interval decide_on_intervals needs"
-        return gain, bounds[0], f"{gain:+.4f}, 95% interval [{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
+        return gain, *judged_on(gain, bounds, gate)
 
     comparisons = 0
     if "accuracy" in metrics and "reference_accuracy" in metrics:
@@ -144,16 +150,15 @@ def check_rule(rule: GateRule, metrics: dict, gate: PromotionGate, production_ve
             record(False, f"{name}: report has no {key} (the benchmark's format or the stage's models do not give it)")
             continue
         gain = metrics[key] - offset
-        low = metrics.get(f"{key}_low")
-        judged_gain = gain if not gate.decide_on_intervals else (-math.inf if low is None else low - offset)
-        shown = f"{gain:+.4f}" + (f", 95% interval [{low - offset:+.4f}, {metrics[f'{key}_high'] - offset:+.4f}]"
-                                  if gate.decide_on_intervals and low is not None else "")
+        bounds = [None if metrics.get(f"{key}{end}") is None else metrics[f"{key}{end}"] - offset
+                  for end in ("_low", "_high")]
+        decided_on, shown = judged_on(gain, bounds, gate)
         if other == "reference":
-            record(judged_gain >= rule.min_gain - ROUNDING,
+            record(decided_on >= rule.min_gain - ROUNDING,
                    f"{name}: {rule.metric} gain over the reference {shown} on {judged} prompts (needs >= "
                    f"{rule.min_gain:+.4f})")
         else:
-            record(-judged_gain <= rule.max_regression + ROUNDING,
+            record(-decided_on <= rule.max_regression + ROUNDING,
                    f"{name}: {rule.metric} vs production v{production_version}: gain {shown} on {judged} prompts "
                    f"(regression tolerance {rule.max_regression})")
 
