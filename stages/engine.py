@@ -369,7 +369,9 @@ def _record_checksums(folder: Path) -> None:
     """Each rank hashes its share of the checkpoint's files (round robin), so that 8 ranks hash an 8B model's
     optimizer states in an eighth of the time, and writes them as SHA256SUMS.rank<r>.json."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    sums = {rel: _sha256(folder / rel) for i, rel in enumerate(_unpickled_files(folder)) if i % world == rank}
+    files = _unpickled_files(folder)
+    dist.barrier()  # every rank has listed the folder before any writes its temporary sums file into it
+    sums = {rel: _sha256(folder / rel) for i, rel in enumerate(files) if i % world == rank}
     tmp = folder / f".SHA256SUMS.rank{rank}.tmp"
     tmp.write_text(json.dumps(sums, indent=0))
     os.replace(tmp, folder / f"SHA256SUMS.rank{rank}.json")

@@ -142,3 +142,45 @@ def test_a_planted_checkpoint_pickle_is_refused_before_deepspeed_loads_anything(
     with pytest.raises(Exception):
         engine.load_checkpoint(str(ds.step_dir(ckpt, 1)), tag="model")
     assert marker.exists()
+
+
+def _record_over_two_ranks(rank: int, folder: str, store_path: str, results) -> None:
+    """Rank 1 leaves its temporary sums file in the folder a while; rank 0 lists the folder late."""
+    import os
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from stages import engine as ds
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    if rank == 0:
+        listing = ds._unpickled_files
+        ds._unpickled_files = lambda path: (time.sleep(0.5), listing(path))[1]
+    else:
+        replace = os.replace
+        ds.os.replace = lambda src, dst: (time.sleep(1.0), replace(src, dst))[1]
+    ds._record_checksums(Path(folder))
+    try:
+        ds._verify_checksums(Path(folder))
+        results[rank] = "verified"
+    except StageInputError as error:
+        results[rank] = str(error)
+    dist.destroy_process_group()
+
+
+def test_checksums_list_the_checkpoint_not_another_ranks_temporary_file(tmp_path):
+    """Every rank lists the folder before any writes its sums into it: a rank that listed late once recorded another
+    rank's temporary file, which was gone by the time the checkpoint was verified (a nightly reward model failed)."""
+    import torch.multiprocessing as mp
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        (folder / name).write_bytes(name.encode())
+    results = mp.Manager().dict()
+    mp.spawn(_record_over_two_ranks, args=(str(folder), str(tmp_path / "store"), results), nprocs=2)
+    assert dict(results) == {0: "verified", 1: "verified"}
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
