@@ -27,6 +27,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # "data/train.jsonl@test" or "org/name@validation[:100]": a split name, optionally sliced, after the last "@".
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
 _MAX_LISTED_ROWS = 50
+VALIDATION_CHUNK_ROWS = 20_000
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -426,26 +428,36 @@ def validate_kto(ds: datasets.Dataset, source: str, input_key: str, output_key: 
 def _validate(
     kind: str, schema: pa.DataFrameSchema, ds: datasets.Dataset, source: str, flags: dict[str, str]
 ) -> None:
+    """Validates `ds` in chunks of VALIDATION_CHUNK_ROWS rows (as Python objects, a chunk costs several times its
+    bytes) and reports the failures of all chunks at once, by row of the whole dataset."""
     if len(ds) == 0:
         raise DataValidationError(f"{kind} data in {source} has no rows")
+    columns = [column for column in schema.columns if column in ds.column_names]
+    failures = []
     try:
-        frame = _python_frame(ds, [column for column in schema.columns if column in ds.column_names])
-        schema.validate(frame, lazy=True)
-    except SchemaErrors as errors:
-        raise DataValidationError(
-            _failure_report(kind, source, len(ds), errors.failure_cases, flags, ds.column_names)
-        ) from None
+        for start in range(0, len(ds), VALIDATION_CHUNK_ROWS):
+            rows = range(start, min(start + VALIDATION_CHUNK_ROWS, len(ds)))
+            try:
+                schema.validate(_python_frame(ds.select(rows), columns, rows), lazy=True)
+            except SchemaErrors as errors:
+                failures.append(errors.failure_cases)
+                if errors.failure_cases["index"].isna().any():
+                    break  # a missing column or a table-wide failure: every chunk would repeat it
     except Exception as error:  # validation must end in a report, never in a traceback that looks retryable
         raise DataValidationError(
             f"{kind} data in {source} could not be validated: {type(error).__name__}: {error}"
         ) from error
+    if failures:
+        raise DataValidationError(
+            _failure_report(kind, source, len(ds), pd.concat(failures, ignore_index=True), flags, ds.column_names))
 
 
-def _python_frame(ds: datasets.Dataset, columns: list[str]) -> pd.DataFrame:
-    """The columns as Python objects (str, list of dicts, bool, ...); undecodable values become UNDECODABLE."""
+def _python_frame(ds: datasets.Dataset, columns: list[str], index: range) -> pd.DataFrame:
+    """The columns as Python objects (str, list of dicts, bool, ...), indexed by row of the whole dataset;
+    undecodable values become UNDECODABLE."""
     if not columns:
-        return pd.DataFrame(index=range(len(ds)))
-    return pd.DataFrame({name: pd.Series(_column_values(ds.select_columns([name]), name), dtype=object)
+        return pd.DataFrame(index=index)
+    return pd.DataFrame({name: pd.Series(_column_values(ds.select_columns([name]), name), dtype=object, index=index)
                          for name in columns})
 
 
@@ -584,7 +596,7 @@ def _conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[di
         if messages[index]["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:index], add_generation_prompt=True) if index else ""
-        through = _render(tokenizer, messages[: index + 1])
+        through = full if index == len(messages) - 1 else _render(tokenizer, messages[: index + 1])
         if not (through.startswith(before) and full.startswith(through) and len(before) >= cursor):
             raise DataValidationError(
                 f"the chat template of {tokenizer.name_or_path!r} renders turn {index} of a conversation "
@@ -656,7 +668,23 @@ def _fit(ids: list[int], mask: list[int], max_len: int) -> tuple[list[int], list
     return (ids, mask) if any(mask[1:]) else None
 
 
-def _check_dropped(kind: str, dropped_rows: list[int], total: int, reason: str) -> None:
+@dataclass
+class Encoded:
+    """Examples aligned with the rows they were built from: where row i leaves nothing to train on (its prompt fills
+    max_len), `fits[i]` is False and `examples[i]` holds empty sequences. `kept()` drops those rows (logged, and
+    an error when none is left), so that rows encoded in chunks are counted over the whole dataset."""
+
+    examples: list[dict]
+    fits: list[bool]
+    kind: str  # "SFT", "preference", "KTO": what the log calls the examples
+    reason: str  # why a row does not fit, and what to change
+
+    def kept(self) -> list[dict]:
+        check_dropped(self.kind, [row for row, fits in enumerate(self.fits) if not fits], len(self.fits), self.reason)
+        return [example for example, fits in zip(self.examples, self.fits) if fits]
+
+
+def check_dropped(kind: str, dropped_rows: list[int], total: int, reason: str) -> None:
     if not dropped_rows:
         return
     if len(dropped_rows) == total:
@@ -665,7 +693,7 @@ def _check_dropped(kind: str, dropped_rows: list[int], total: int, reason: str) 
     logger.warning("dropped %d of %d %s examples (%s): rows [%s]", len(dropped_rows), total, kind, reason, shown)
 
 
-def build_sft_examples(
+def encode_sft(
     ds: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -677,7 +705,7 @@ def build_sft_examples(
     system_key: str | None = None,
     multiturn: bool = False,
     pretrain_mode: bool = False,
-) -> list[dict]:
+) -> Encoded:
     """[{"input_ids", "loss_mask"}], loss_mask[i] == 1 where input_ids[i] is a target (OpenRLHF's SFT modes):
 
     - prompt + response (+ eos): loss on the response, e.g. OpenOrca's question/response with its system prompt
@@ -685,8 +713,7 @@ def build_sft_examples(
     - `multiturn`: the conversation in `input_key` rendered with the chat template, loss on every assistant turn;
     - `pretrain_mode`: the text in `input_key` (+ eos), loss on every token.
 
-    Sequences are cut to max_len; rows left without any trained token (the prompt fills max_len) are dropped,
-    counted and logged.
+    Sequences are cut to max_len; rows left without any trained token (the prompt fills max_len) do not fit.
     """
     if multiturn:
         pieces = [_conversation_segments(tokenizer, _messages(c, "user", "conversation")) for c in ds[input_key]]
@@ -701,15 +728,10 @@ def build_sft_examples(
                                     input_template=input_template, system=system)
             for prompt, response, system in zip(ds[input_key], ds[output_key], systems)
         ]
-    examples, dropped = [], []
-    for row, (ids, mask) in enumerate(_encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)):
-        fitted = _fit(ids, mask, max_len)
-        if fitted is None:
-            dropped.append(row)
-            continue
-        examples.append({"input_ids": fitted[0], "loss_mask": fitted[1]})
-    _check_dropped("SFT", dropped, len(ds), f"no response token fits in max_len={max_len}; raise --max_len")
-    return examples
+    fitted = [_fit(ids, mask, max_len)
+              for ids, mask in _encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)]
+    return Encoded([{"input_ids": ids, "loss_mask": mask} for ids, mask in (f or ([], []) for f in fitted)],
+                   [f is not None for f in fitted], "SFT", f"no response token fits in max_len={max_len}; raise --max_len")
 
 
 def _split_conversations(prompt: Any, chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -723,7 +745,7 @@ def _split_conversations(prompt: Any, chosen: Any, rejected: Any) -> tuple[Any, 
     return chosen[:-1], chosen[-1:], rejected[-1:]
 
 
-def build_preference_examples(
+def encode_preferences(
     ds: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -734,7 +756,7 @@ def build_preference_examples(
     max_len: int,
     input_template: str | None = None,
     margin_key: str | None = None,
-) -> list[dict]:
+) -> Encoded:
     """[{"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"(, "margin")}], each side built
     like an SFT example (loss mask on the response and eos)."""
     prompts = ds[prompt_key] if prompt_key is not None else [None] * len(ds)
@@ -748,19 +770,18 @@ def build_preference_examples(
     chosen = _encode_pieces(tokenizer, chosen_pieces, special_tokens=special)
     rejected = _encode_pieces(tokenizer, rejected_pieces, special_tokens=special)
     margins = ds[margin_key] if margin_key is not None else None
-    examples, dropped = [], []
+    examples, fits = [], []
     for row, (chosen_encoded, rejected_encoded) in enumerate(zip(chosen, rejected)):
         chosen_fit, rejected_fit = _fit(*chosen_encoded, max_len), _fit(*rejected_encoded, max_len)
-        if chosen_fit is None or rejected_fit is None:
-            dropped.append(row)
-            continue
-        example = {"chosen_ids": chosen_fit[0], "chosen_loss_mask": chosen_fit[1],
-                   "rejected_ids": rejected_fit[0], "rejected_loss_mask": rejected_fit[1]}
+        fits.append(chosen_fit is not None and rejected_fit is not None)
+        (chosen_ids, chosen_mask), (rejected_ids, rejected_mask) = (chosen_fit, rejected_fit) if fits[-1] else (
+            ([], []), ([], []))
+        example = {"chosen_ids": chosen_ids, "chosen_loss_mask": chosen_mask,
+                   "rejected_ids": rejected_ids, "rejected_loss_mask": rejected_mask}
         if margins is not None:
             example["margin"] = float(margins[row])
         examples.append(example)
-    _check_dropped("preference", dropped, len(ds), f"no response token fits in max_len={max_len}; raise --max_len")
-    return examples
+    return Encoded(examples, fits, "preference", f"no response token fits in max_len={max_len}; raise --max_len")
 
 
 def unpair_preferences(ds: datasets.Dataset, *, prompt_key: str | None, chosen_key: str,
@@ -778,7 +799,7 @@ def unpair_preferences(ds: datasets.Dataset, *, prompt_key: str | None, chosen_k
     return datasets.Dataset.from_list(rows)
 
 
-def build_kto_examples(
+def encode_kto(
     ds: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -788,28 +809,26 @@ def build_kto_examples(
     apply_chat_template: bool,
     max_len: int,
     input_template: str | None = None,
-) -> list[dict]:
+) -> Encoded:
     """[{"prompt_ids", "response_ids", "desirable"}]: unpaired prompt + completion (+ eos) with its bool label.
 
     Prompt and response stay apart because KTO's KL reference point scores each prompt with another sample's
-    response. Responses are cut so that prompt + response fits max_len; rows without room are dropped.
+    response. Responses are cut so that prompt + response fits max_len; rows without room do not fit.
     """
     pieces = [
         _prompt_response_pieces(tokenizer, prompt, response, apply_chat_template=apply_chat_template,
                                 input_template=input_template)
         for prompt, response in zip(ds[input_key], ds[output_key])
     ]
-    examples, dropped = [], []
+    examples, fits = [], []
     encoded = _encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)
-    for row, ((ids, mask), label) in enumerate(zip(encoded, ds[label_key])):
+    for (ids, mask), label in zip(encoded, ds[label_key]):
         prompt_ids, response_ids = _split_prompt(ids, mask)
         response_ids = response_ids[: max_len - len(prompt_ids)]
-        if not response_ids:
-            dropped.append(row)
-            continue
-        examples.append({"prompt_ids": prompt_ids, "response_ids": response_ids, "desirable": bool(label)})
-    _check_dropped("KTO", dropped, len(ds), f"the prompt fills max_len={max_len}; raise --max_len")
-    return examples
+        fits.append(bool(response_ids))
+        examples.append({"prompt_ids": prompt_ids if response_ids else [], "response_ids": response_ids,
+                         "desirable": bool(label)})
+    return Encoded(examples, fits, "KTO", f"the prompt fills max_len={max_len}; raise --max_len")
 
 
 def build_prompt_examples(
@@ -838,7 +857,7 @@ def build_prompt_examples(
             dropped.append(row)
             continue
         examples.append({"prompt": text, "prompt_ids": ids, "label": label})
-    _check_dropped("prompt", dropped, len(texts), f"longer than prompt_max_len={prompt_max_len} tokens")
+    check_dropped("prompt", dropped, len(texts), f"longer than prompt_max_len={prompt_max_len} tokens")
     return examples
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 from pathlib import Path
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from stages import engine as ds
-from stages import moe, packing
+from stages import moe, packing, prepared
 from stages.distributed import RankWorker
 from stages.errors import StageInputError
 from stages.sequences import chunks
@@ -38,8 +39,12 @@ class StepTrainer(RankWorker):
     value_model: bool = False  # LoRA then also trains the value head
 
     # ---- hooks
+    # encode_rows(cfg, tokenizer, rows) -> data.Encoded: the stage module's encoder (a staticmethod), and
+    # example_fields: the config fields it reads (they key the cache of prepared examples, stages/prepared.py)
+    encode_rows: Any
+    example_fields: tuple[str, ...] = ()
+
     def load_train_model(self, ds_config: dict) -> torch.nn.Module: ...
-    def build_examples(self, rows) -> list[dict]: ...
     def step_normalizer(self, examples: list[dict]) -> float:
         """The step's global count its loss is divided by: its examples (pairs, samples) unless overridden."""
         return float(len(examples))
@@ -67,11 +72,11 @@ class StepTrainer(RankWorker):
         if self.cfg.tokenizer_chat_template is not None:
             self.tokenizer.chat_template = self.cfg.tokenizer_chat_template
         cfg = self.cfg
-        self.train_examples = self.build_examples(data.load_mixture(
+        self.train_examples = self.prepare_examples(data.load_mixture(
             cfg.dataset, split=cfg.dataset_split, max_samples=cfg.max_samples,
-            probabilities=cfg.dataset_probabilities, seed=cfg.seed))
-        self.eval_examples = (self.build_examples(data.load_mixture(cfg.eval_dataset, split=cfg.eval_split,
-                                                                    max_samples=cfg.max_samples))
+            probabilities=cfg.dataset_probabilities, seed=cfg.seed), "training rows")
+        self.eval_examples = (self.prepare_examples(data.load_mixture(cfg.eval_dataset, split=cfg.eval_split,
+                                                                      max_samples=cfg.max_samples), "held-out rows")
                               if cfg.eval_dataset else [])
         self.steps_per_epoch = len(self.train_examples) // self.cfg.train_batch_size
         if self.steps_per_epoch == 0:
@@ -92,12 +97,28 @@ class StepTrainer(RankWorker):
         return {"train_examples": len(self.train_examples), "eval_examples": len(self.eval_examples),
                 "total_steps": self.total_steps}
 
+    def prepare_examples(self, rows, what: str) -> prepared.ExampleRows:
+        """The examples of `rows`: the first rank of each node prepares them (or finds them cached), then the
+        node's other ranks open the same files."""
+        hosts: list[str] = [""] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        leads = hosts.index(hosts[self.rank]) == self.rank
+        preparation = None
+        for turn in (True, False):
+            if leads == turn:
+                preparation = prepared.prepare(self.encode_rows, self.cfg, self.example_fields, self.tokenizer,
+                                               rows, what=what)
+            dist.barrier()
+        if self.rank == 0:
+            print(f"[{self.stage}] {preparation.summary(what)}", flush=True)
+        return preparation.examples
+
     def step_examples(self, step: int) -> list[dict]:
         epoch, index = divmod(step, self.steps_per_epoch)
         generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
         order = torch.randperm(len(self.train_examples), generator=generator).tolist()
         size = self.cfg.train_batch_size
-        return [self.train_examples[i] for i in order[index * size : (index + 1) * size]]
+        return self.train_examples.take(order[index * size : (index + 1) * size])
 
     def fit(self, start_step: int = 0) -> dict[str, Any]:
         """Train from `start_step` (resuming from its checkpoint when > 0) to the end; rank 0 writes the outputs."""

@@ -181,6 +181,22 @@ def test_every_failure_is_reported_in_one_error(tmp_path):
     assert "check chosen_differs_from_rejected failed (chosen response equals rejected response) at rows [2]" in message
 
 
+def test_rows_are_validated_in_chunks_and_reported_by_row_of_the_whole_file(tmp_path, monkeypatch):
+    """A chunk of rows at a time (bounded memory on 700k rows); failures of every chunk in one report, numbered as
+    rows of the file; a missing column is reported once, after the first chunk."""
+    monkeypatch.setattr(data, "VALIDATION_CHUNK_ROWS", 4)
+    rows = [{"prompt": f"Add {i} and 1.", "chosen": f"Answer: {i + 1}", "rejected": "Answer: 0"} for i in range(11)]
+    rows[2]["chosen"], rows[9]["chosen"] = "", " "
+    rows[7]["rejected"] = rows[7]["chosen"]
+    message = validation_error(tmp_path / "pref.jsonl", rows, "preference", **PREF_KEYS)
+    assert "(11 rows) failed 2 validation check(s)" in message
+    assert "column 'chosen' (--chosen_key): check not_blank failed (empty or whitespace-only text) at rows [2, 9]" \
+        in message
+    assert "check chosen_differs_from_rejected failed (chosen response equals rejected response) at rows [7]" in message
+    message = validation_error(tmp_path / "pref.jsonl", rows, "preference", **{**PREF_KEYS, "chosen_key": "best"})
+    assert message.count("column 'best' (--chosen_key): column is missing") == 1
+
+
 def test_prompt_labels_are_checked(tmp_path):
     rows = [{"prompt": "Add 1 and 1.", "label": "2"}, {"prompt": "Add 1 and 2.", "label": " "}]
     message = validation_error(tmp_path / "prompts.jsonl", rows, "prompt", input_key="prompt", label_key="label")
@@ -218,10 +234,10 @@ def test_format_prompt(tokenizer):
 
 @pytest.mark.parametrize("apply_chat_template", [False, True])
 def test_sft_loss_mask_covers_response_and_eos_only(tokenizer, apply_chat_template):
-    examples = data.build_sft_examples(
+    examples = data.encode_sft(
         dataset(SFT_ROWS), tokenizer, input_key="prompt", output_key="response",
         apply_chat_template=apply_chat_template, max_len=64,
-    )
+    ).kept()
     assert len(examples) == len(SFT_ROWS)
     for row, example in zip(SFT_ROWS, examples):
         ids, mask = example["input_ids"], example["loss_mask"]
@@ -240,25 +256,25 @@ def test_truncation_keeps_prompt_and_drops_rows_without_room(tokenizer, caplog):
     max_len = prompt_len + 4
     assert long_prompt_len >= max_len
     with caplog.at_level(logging.WARNING, logger="stages.data"):
-        examples = data.build_sft_examples(
+        examples = data.encode_sft(
             dataset(rows), tokenizer, input_key="prompt", output_key="response", apply_chat_template=False,
             max_len=max_len,
-        )
+        ).kept()
     assert len(examples) == 1
     assert examples[0]["input_ids"][:prompt_len] == tokenizer("Hi")["input_ids"]
     assert examples[0]["loss_mask"] == [0] * prompt_len + [1] * 4
     assert "dropped 1 of 2 SFT examples" in caplog.text and "rows [1]" in caplog.text
     with pytest.raises(DataValidationError, match="all 1 SFT examples were dropped"):
-        data.build_sft_examples(dataset(rows[1:]), tokenizer, input_key="prompt", output_key="response",
-                                apply_chat_template=False, max_len=max_len)
+        data.encode_sft(dataset(rows[1:]), tokenizer, input_key="prompt", output_key="response",
+                        apply_chat_template=False, max_len=max_len).kept()
 
 
 def test_preference_examples_share_the_prompt(tokenizer):
     rows = [{"q": "Add 1 and 1.", "good": "Answer: 2", "bad": "Answer: 31"}]
-    (example,) = data.build_preference_examples(
+    (example,) = data.encode_preferences(
         dataset(rows), tokenizer, prompt_key="q", chosen_key="good", rejected_key="bad",
         apply_chat_template=True, max_len=64,
-    )
+    ).kept()
     n_prompt = len(tokenizer("<|user|>Add 1 and 1.<|assistant|>", add_special_tokens=False)["input_ids"])
     for side, text in (("chosen", "Answer: 2"), ("rejected", "Answer: 31")):
         ids, mask = example[f"{side}_ids"], example[f"{side}_loss_mask"]
@@ -348,7 +364,7 @@ def test_column_and_table_level_failures_name_the_whole_column(tmp_path):
 
 
 def test_a_failing_validation_machinery_is_still_a_data_error(monkeypatch):
-    monkeypatch.setattr(data, "_python_frame", lambda ds, columns: (_ for _ in ()).throw(MemoryError("too big")))
+    monkeypatch.setattr(data, "_python_frame", lambda ds, columns, index: (_ for _ in ()).throw(MemoryError("too big")))
     with pytest.raises(DataValidationError, match=r"SFT data in rows.jsonl could not be validated: MemoryError"):
         data.validate_sft(dataset(SFT_ROWS), "rows.jsonl", **SFT_KEYS)
 

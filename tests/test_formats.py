@@ -1,6 +1,6 @@
 """The dataset formats users train on, each in the exact column layout of the real dataset (tiny task content),
 through the stages' own data path: the stage's flags parsed as on the command line, then its validate_rows and
-build_examples (what `python -m stages.<stage>` runs before and in its ranks).
+encode_rows (what `python -m stages.<stage>` runs before and in its ranks).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def examples_of(stage_module, stage: str, tokenizer, source, *flags: str, rows: 
     cfg = parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", "unused", "--dataset", str(source), *flags])
     loaded = data.load_rows(str(source), max_samples=rows)
     cfg.validate_rows(loaded, str(source))
-    return stage_module.build_examples(cfg, tokenizer, loaded)
+    return stage_module.encode_rows(cfg, tokenizer, loaded).kept()
 
 
 def trained_text(tokenizer, ids: list[int], mask: list[int]) -> str:

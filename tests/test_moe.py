@@ -149,7 +149,7 @@ def test_the_micro_batch_loss_adds_its_share_of_the_step_mean_aux_loss(stage, mo
     results = {}
     for coef in (0.0, COEF):
         worker = stage_worker(stage, moe_model, tokenizer, coef)
-        examples = module.build_examples(worker.cfg, tokenizer, data.load_rows(str(assets[dataset]), max_samples=8))
+        examples = module.encode_rows(worker.cfg, tokenizer, data.load_rows(str(assets[dataset]), max_samples=8)).kept()
         loss, stats = worker.micro_batch_loss(examples, worker.step_normalizer(examples))
         loss.backward()
         results[coef] = loss.detach(), stats, router_grads(worker.engine)

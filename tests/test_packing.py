@@ -43,8 +43,8 @@ def test_packing_lays_sequences_end_to_end_with_restarting_positions():
 
 def test_packed_forward_equals_each_sequence_alone(assets, tokenizer):
     rows = data.load_rows(str(assets["sft_train"]), max_samples=6)
-    sequences = [e["input_ids"] for e in data.build_sft_examples(
-        rows, tokenizer, input_key="prompt", output_key="response", apply_chat_template=True, max_len=64)]
+    sequences = [e["input_ids"] for e in data.encode_sft(
+        rows, tokenizer, input_key="prompt", output_key="response", apply_chat_template=True, max_len=64).kept()]
     sequences[1] = sequences[1][:3]  # ragged lengths, including a short one
     model = AutoModelForCausalLM.from_pretrained(assets["model"])
     value_model = AutoModelForSequenceClassification.from_pretrained(assets["model"], num_labels=1)
@@ -92,7 +92,7 @@ def test_stage_loss_and_gradient_are_the_same_packed_and_padded(stage, lora_rank
     cfg = parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", str(assets["model"]), "--dataset",
                                    str(assets[dataset]), "--max_len", "64", *flags]
                            + (["--lora_rank", str(lora_rank)] if lora_rank else []))
-    examples = module.build_examples(cfg, tokenizer, data.load_rows(str(assets[dataset]), max_samples=8))
+    examples = module.encode_rows(cfg, tokenizer, data.load_rows(str(assets[dataset]), max_samples=8)).kept()
     torch.manual_seed(0)
     if stage == "reward_model":
         base = AutoModelForSequenceClassification.from_pretrained(assets["model"], num_labels=1)

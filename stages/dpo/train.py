@@ -20,8 +20,12 @@ from stages.sequences import pair_sequences
 from stages.trainer import ReferenceStepTrainer
 
 
-def build_examples(cfg, tokenizer, rows) -> list[dict]:
-    return data.build_preference_examples(
+# The config fields encode_rows reads: with the rows and the tokenizer, they key the prepared examples' cache.
+EXAMPLE_FIELDS = ("prompt_key", "chosen_key", "rejected_key", "apply_chat_template", "input_template", "max_len")
+
+
+def encode_rows(cfg, tokenizer, rows) -> data.Encoded:
+    return data.encode_preferences(
         rows, tokenizer, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
         apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
     )
@@ -48,8 +52,8 @@ def dpo_terms(policy_log_probs: list[torch.Tensor], ref_log_probs: list[torch.Te
 class DPOWorker(ReferenceStepTrainer):
     stage = "dpo"
 
-    def build_examples(self, rows) -> list[dict]:
-        return build_examples(self.cfg, self.tokenizer, rows)
+    encode_rows = staticmethod(encode_rows)
+    example_fields = EXAMPLE_FIELDS
 
     def pair_terms(self, examples) -> dict[str, torch.Tensor]:
         sequences = pair_sequences(examples)

@@ -24,13 +24,18 @@ from stages.launch import run_rank_group
 from stages.trainer import ReferenceStepTrainer
 
 
-def build_examples(cfg, tokenizer, rows) -> list[dict]:
+# The config fields encode_rows reads: with the rows and the tokenizer, they key the prepared examples' cache.
+EXAMPLE_FIELDS = ("input_key", "output_key", "label_key", "prompt_key", "chosen_key", "rejected_key",
+                  "apply_chat_template", "input_template", "max_len")
+
+
+def encode_rows(cfg, tokenizer, rows) -> data.Encoded:
     keys = {"input_key": cfg.input_key, "output_key": cfg.output_key, "label_key": cfg.label_key}
     if cfg.is_paired(rows):
         rows = data.unpair_preferences(rows, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key,
                                        rejected_key=cfg.rejected_key)
         keys = {"input_key": "prompt", "output_key": "completion", "label_key": "label"}
-    return data.build_kto_examples(rows, tokenizer, apply_chat_template=cfg.apply_chat_template,
+    return data.encode_kto(rows, tokenizer, apply_chat_template=cfg.apply_chat_template,
                                    input_template=cfg.input_template, max_len=cfg.max_len, **keys)
 
 
@@ -65,8 +70,8 @@ def kto_terms(policy_sums: torch.Tensor, ref_sums: torch.Tensor, kl_estimate: to
 class KTOWorker(ReferenceStepTrainer):
     stage = "kto"
 
-    def build_examples(self, rows) -> list[dict]:
-        return build_examples(self.cfg, self.tokenizer, rows)
+    encode_rows = staticmethod(encode_rows)
+    example_fields = EXAMPLE_FIELDS
 
     def micro_terms(self, examples: list[dict], average_kl_over_ranks: bool) -> dict[str, torch.Tensor]:
         sequences, masks, kl_sequences, kl_masks = kto_sequences(examples, self.cfg.max_len)

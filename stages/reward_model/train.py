@@ -26,8 +26,13 @@ from stages.sequences import pair_sequences
 from stages.trainer import StepTrainer
 
 
-def build_examples(cfg, tokenizer, rows) -> list[dict]:
-    return data.build_preference_examples(
+# The config fields encode_rows reads: with the rows and the tokenizer, they key the prepared examples' cache.
+EXAMPLE_FIELDS = ("prompt_key", "chosen_key", "rejected_key", "apply_chat_template", "input_template", "max_len",
+                  "margin_loss")
+
+
+def encode_rows(cfg, tokenizer, rows) -> data.Encoded:
+    return data.encode_preferences(
         rows, tokenizer, prompt_key=cfg.prompt_key, chosen_key=cfg.chosen_key, rejected_key=cfg.rejected_key,
         apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
         margin_key=MARGIN_COLUMN if cfg.margin_loss else None,
@@ -58,8 +63,8 @@ class RewardModelWorker(StepTrainer):
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 
-    def build_examples(self, rows) -> list[dict]:
-        return build_examples(self.cfg, self.tokenizer, rows)
+    encode_rows = staticmethod(encode_rows)
+    example_fields = EXAMPLE_FIELDS
 
     def pair_rewards(self, examples) -> tuple[torch.Tensor, torch.Tensor]:
         return pair_rewards(self.engine, examples, pad_token_id=self.tokenizer.pad_token_id,

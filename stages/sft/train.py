@@ -20,8 +20,13 @@ from stages.launch import run_rank_group
 from stages.trainer import StepTrainer
 
 
-def build_examples(cfg, tokenizer, rows) -> list[dict]:
-    return data.build_sft_examples(
+# The config fields encode_rows reads: with the rows and the tokenizer, they key the prepared examples' cache.
+EXAMPLE_FIELDS = ("input_key", "output_key", "apply_chat_template", "input_template", "max_len", "system_key",
+                  "multiturn", "pretrain_mode")
+
+
+def encode_rows(cfg, tokenizer, rows) -> data.Encoded:
+    return data.encode_sft(
         rows, tokenizer, input_key=cfg.input_key, output_key=cfg.output_key,
         apply_chat_template=cfg.apply_chat_template, input_template=cfg.input_template, max_len=cfg.max_len,
         system_key=cfg.system_key, multiturn=cfg.multiturn, pretrain_mode=cfg.pretrain_mode,
@@ -48,8 +53,8 @@ class SFTWorker(StepTrainer):
         options = loading_options(self.cfg, self.device)
         return load_for_zero(lambda: load_causal_lm(self.model_path, **options), ds_config)
 
-    def build_examples(self, rows) -> list[dict]:
-        return build_examples(self.cfg, self.tokenizer, rows)
+    encode_rows = staticmethod(encode_rows)
+    example_fields = EXAMPLE_FIELDS
 
     def step_normalizer(self, examples: list[dict]) -> float:
         return token_count(examples)

@@ -1,0 +1,146 @@
+"""Examples prepared once per node and stage run: tokenized over the node's cores into Arrow files cached by content,
+which every rank memory-maps and reads its batches from (TRL and veRL tokenize with `datasets.map` as here;
+OpenRLHF tokenizes in every rank).
+
+A stage's `encode_rows(cfg, tokenizer, rows) -> data.Encoded` turns rows into token ids. `prepare` runs it with
+`Dataset.map` over chunks of BATCH_ROWS rows, in several processes once the rows pay for them, and writes the
+result under the datasets cache (`$HF_DATASETS_CACHE/rlhf-examples`), named by a fingerprint of all that decides
+it: the rows (datasets' fingerprint of the loaded, mixed and cut data: another file content, split or
+--max_samples is another fingerprint), the tokenizer (vocabulary, settings, chat template), the config fields the
+stage's encoding reads (its EXAMPLE_FIELDS) and the source of the encoding code. A retried or resumed stage, and a
+night whose data did not change, find the files and start training without tokenizing. Held as Arrow, an example
+costs its token ids' bytes on disk and nothing in a rank's Python heap until its batch is read.
+
+Rows that leave nothing to train on are counted over the whole dataset (`data.check_dropped`): logged by row, and
+an error when no row fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from datasets.fingerprint import Hasher
+
+from stages import data
+
+PREPARED_FORMAT = 1  # the layout of the files; a change makes every cached preparation miss
+BATCH_ROWS = 1_000  # rows encoded at a time by one process: its memory, whatever the dataset's size
+PARALLEL_FROM_ROWS = 20_000  # fewer rows encode faster in this process than worker processes start
+MAX_PROCESSES = 32
+
+Encoder = Callable[[Any, Any, datasets.Dataset], data.Encoded]
+
+
+class ExampleRows(Sequence):
+    """Prepared examples as the trainers index them: `rows[i]` a dict of Python values, a slice or `take` a list."""
+
+    def __init__(self, table: datasets.Dataset):
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.take(range(len(self))[index])
+        return self.table[index]
+
+    def take(self, indices: Sequence[int]) -> list[dict]:
+        if len(indices) == 0:
+            return []
+        columns = self.table[list(indices)]
+        return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+@dataclass
+class Preparation:
+    examples: ExampleRows
+    rows: int
+    seconds: float
+    cached: bool
+    processes: int
+    peak_memory_gib: float  # of this process and the encoding processes it started
+
+    def summary(self, what: str) -> str:
+        if self.cached:
+            return (f"{what}: {len(self.examples)} examples of {self.rows} rows from the cache of prepared examples "
+                    f"({self.seconds:.1f} s)")
+        return (f"{what}: {len(self.examples)} examples of {self.rows} rows tokenized in {self.seconds:.1f} s "
+                f"({self.rows / max(self.seconds, 1e-9):.0f} rows/s, {self.processes} process(es), peak memory "
+                f"{self.peak_memory_gib:.1f} GiB)")
+
+
+def cache_dir() -> Path:
+    return Path(datasets.config.HF_DATASETS_CACHE) / "rlhf-examples"
+
+
+def fingerprint(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datasets.Dataset) -> str:
+    """What decides the examples of `rows`, as a file name."""
+    import tokenizers
+    import transformers
+
+    code = hashlib.sha256()
+    for module in sorted({inspect.getsourcefile(encode), inspect.getsourcefile(data)}):
+        code.update(Path(module).read_bytes())
+    return Hasher.hash([PREPARED_FORMAT, rows._fingerprint, Hasher.hash(tokenizer), transformers.__version__,
+                        tokenizers.__version__, {name: getattr(cfg, name) for name in fields}, code.hexdigest()])
+
+
+def processes_for(rows: int) -> int:
+    """Encoding processes: the cores this process may use (RLHF_CPU_CORES caps them), for rows worth it."""
+    cores = len(os.sched_getaffinity(0))
+    if os.environ.get("RLHF_CPU_CORES"):
+        cores = min(cores, int(os.environ["RLHF_CPU_CORES"]))
+    return max(1, min(cores, MAX_PROCESSES, rows // (PARALLEL_FROM_ROWS // 2))) if rows >= PARALLEL_FROM_ROWS else 1
+
+
+def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datasets.Dataset, *,
+            what: str = "examples") -> Preparation:
+    """The examples of `rows`, from the cache or encoded now (and cached)."""
+    started = time.perf_counter()
+    key = fingerprint(encode, cfg, fields, tokenizer, rows)
+    processes = processes_for(len(rows))
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{key}.arrow"
+    shards = ([path] if processes == 1 else
+              [directory / f"{key}_{rank:05d}_of_{processes:05d}.arrow" for rank in range(processes)])
+    cached = all(shard.exists() for shard in shards)
+    encoded = rows.map(
+        _encode_batch, fn_kwargs={"encode": encode, "cfg": cfg, "tokenizer": tokenizer, "features": rows.features},
+        batched=True, batch_size=BATCH_ROWS, remove_columns=rows.column_names, num_proc=None if processes == 1
+        else processes, cache_file_name=str(path), new_fingerprint=key, desc=f"tokenizing {what}",
+    )
+    fits = encoded.data.column("fits").to_numpy()  # the map's own table: no index mapping over it
+    if not fits.all():
+        # Only the encoder knows how it names its examples and why a row does not fit: it says so for row 0.
+        probe = encode(cfg, tokenizer, rows.select(range(1)))
+        data.check_dropped(probe.kind, np.flatnonzero(~fits).tolist(), len(fits), probe.reason)
+        encoded = encoded.select(np.flatnonzero(fits))
+    encoded = encoded.remove_columns("fits")
+    peak = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return Preparation(ExampleRows(encoded), len(rows), time.perf_counter() - started, cached, processes,
+                       peak / 2**20)
+
+
+def _encode_batch(batch: dict[str, list], *, encode: Encoder, cfg, tokenizer, features) -> dict[str, list]:
+    """One chunk of rows as columns of examples (token ids as int32, masks as int8) and whether each fits."""
+    encoded = encode(cfg, tokenizer, datasets.Dataset.from_dict(batch, features=features))
+    columns: dict[str, list] = {"fits": encoded.fits}
+    for name in encoded.examples[0]:
+        values = [example[name] for example in encoded.examples]
+        if isinstance(values[0], list):
+            dtype = np.int8 if name.endswith("mask") else np.int32
+            values = [np.asarray(value, dtype=dtype) for value in values]
+        columns[name] = values
+    return columns

@@ -1,0 +1,142 @@
+"""Examples prepared once per node (stages/prepared.py): encoded in chunks over several processes, they equal the
+stage's encoder on the whole dataset token for token; a second preparation of the same rows reads the cache, a
+changed row encodes again; dropped rows are counted over the whole dataset."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import datasets
+import pytest
+
+from stages import data, prepared
+from stages.cli import parse_stage_args
+from stages.data import DataValidationError
+from stages.dpo import train as dpo
+from stages.kto import train as kto
+from stages.registry import STAGES
+from stages.reward_model import train as reward_model
+from stages.sft import train as sft
+
+# (stage, module, dataset, flags): every format the stages encode, as tests/test_formats.py reads them
+FORMATS = [
+    ("sft", sft, "sft_train", ()),
+    ("sft", sft, "orca_train", ("--input_key", "question", "--output_key", "response", "--system_key",
+                                "system_prompt")),
+    ("sft", sft, "chat_train", ("--input_key", "messages", "--multiturn", "--max_len", "128")),
+    ("sft", sft, "pretrain_train", ("--no_apply_chat_template", "--input_key", "text", "--pretrain_mode",
+                                    "--max_len", "12")),
+    ("reward_model", reward_model, "pref_train", ()),
+    ("dpo", dpo, "pref_chat_train", ("--prompt_key", "none")),
+    ("kto", kto, "kto_train", ()),
+    ("kto", kto, "pref_train", ()),
+]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch, tmp_path):
+    """Chunks of 7 rows over 2 processes from 20 rows on, and a cache of this test's own."""
+    monkeypatch.setattr(prepared, "BATCH_ROWS", 7)
+    monkeypatch.setattr(prepared, "PARALLEL_FROM_ROWS", 20)
+    monkeypatch.setenv("RLHF_CPU_CORES", "2")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+
+
+def config(stage: str, source, *flags: str):
+    return parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", "unused", "--dataset", str(source),
+                                            *flags])
+
+
+def prepare(module, cfg, tokenizer, rows):
+    return prepared.prepare(module.encode_rows, cfg, module.EXAMPLE_FIELDS, tokenizer, rows)
+
+
+@pytest.mark.parametrize(("stage", "module", "dataset", "flags"), FORMATS,
+                         ids=[f"{stage}-{dataset}" for stage, _, dataset, _ in FORMATS])
+def test_prepared_examples_equal_the_encoder_on_the_whole_dataset(stage, module, dataset, flags, assets, tokenizer,
+                                                                  small_chunks):
+    cfg = config(stage, assets[dataset], *flags)
+    rows = data.load_rows(str(assets[dataset]), max_samples=60)
+    expected = module.encode_rows(cfg, tokenizer, rows).kept()
+    preparation = prepare(module, cfg, tokenizer, rows)
+    assert preparation.processes == 2 and not preparation.cached
+    examples = preparation.examples.take(range(len(preparation.examples)))
+    assert examples == expected
+    assert [type(value) for value in examples[0].values()] == [type(value) for value in expected[0].values()]
+    assert preparation.examples[3] == expected[3] and preparation.examples[1:9:3] == expected[1:9:3]
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_the_same_rows_read_the_cache_and_a_changed_row_encodes_again(assets, tokenizer, small_chunks, tmp_path):
+    rows = [json.loads(line) for line in assets["pref_train"].read_text().splitlines()][:40]
+    path = tmp_path / "pairs.jsonl"
+    write_jsonl(path, rows)
+    cfg = config("reward_model", path, "--max_len", "128")
+    first = prepare(reward_model, cfg, tokenizer, data.load_rows(str(path)))
+    again = prepare(reward_model, cfg, tokenizer, data.load_rows(str(path)))
+    assert not first.cached and again.cached
+    assert again.examples.take(range(40)) == first.examples.take(range(40))
+    assert "from the cache of prepared examples" in again.summary("training rows")
+
+    rows[33]["chosen"] = rows[33]["chosen"] + " Checked twice."
+    write_jsonl(path, rows)
+    changed = prepare(reward_model, cfg, tokenizer, data.load_rows(str(path)))
+    assert not changed.cached
+    assert changed.examples[33] != first.examples[33]
+    assert changed.examples.take(range(33)) == first.examples.take(range(33))
+    assert tokenizer.decode(changed.examples[33]["chosen_ids"]).endswith("Checked twice.<|eos|>")
+    # A field the encoding reads is part of the key; one it does not read is not.
+    assert not prepare(reward_model, config("reward_model", path, "--max_len", "100"), tokenizer,
+                       data.load_rows(str(path))).cached
+    assert prepare(reward_model, config("reward_model", path, "--max_len", "128", "--learning_rate", "0.5"),
+                   tokenizer, data.load_rows(str(path))).cached
+
+
+def test_rows_dropped_past_the_first_chunk_are_named_by_their_row(assets, tokenizer, small_chunks, tmp_path, caplog):
+    rows = [json.loads(line) for line in assets["sft_train"].read_text().splitlines()][:30]
+    for row in (12, 25):
+        rows[row]["prompt"] = " ".join(["Add 1 and 2."] * 40)  # fills --max_len 64 before the response
+    path = tmp_path / "sft.jsonl"
+    write_jsonl(path, rows)
+    cfg = config("sft", path, "--max_len", "64")
+    with caplog.at_level(logging.WARNING, logger="stages.data"):
+        preparation = prepare(sft, cfg, tokenizer, data.load_rows(str(path)))
+    assert len(preparation.examples) == 28
+    assert "dropped 2 of 30 SFT examples (no response token fits in max_len=64" in caplog.text
+    assert "rows [12, 25]" in caplog.text
+    write_jsonl(path, [rows[12]] * 25)
+    with pytest.raises(DataValidationError, match="all 25 SFT examples were dropped"):
+        prepare(sft, cfg, tokenizer, data.load_rows(str(path)))
+
+
+class ReadFields:
+    """A config that records which of its fields are read."""
+
+    def __init__(self, cfg):
+        self._cfg, self.read = cfg, set()
+
+    def __getattr__(self, name):
+        if name in type(self._cfg).model_fields:
+            self.read.add(name)
+        value = getattr(self._cfg, name)
+        return value.__func__.__get__(self) if hasattr(value, "__func__") else value  # methods read through us
+
+
+@pytest.mark.parametrize(("stage", "module", "dataset", "flags"), FORMATS + [
+    ("reward_model", reward_model, "pref_train", ("--margin_loss",))],
+    ids=[f"{stage}-{dataset}" for stage, _, dataset, _ in FORMATS] + ["reward_model-margin"])
+def test_every_config_field_an_encoder_reads_keys_the_cache(stage, module, dataset, flags, assets, tokenizer,
+                                                            tmp_path):
+    """A field the encoder reads but its EXAMPLE_FIELDS leaves out would serve examples built with another value."""
+    source = assets[dataset]
+    if "--margin_loss" in flags:
+        source = tmp_path / "margins.jsonl"
+        write_jsonl(source, [{**json.loads(line), "margin": 1.0} for line in
+                             assets["pref_train"].read_text().splitlines()[:4]])
+    recorder = ReadFields(config(stage, source, *flags))
+    module.encode_rows(recorder, tokenizer, data.load_rows(str(source), max_samples=4))
+    assert recorder.read and recorder.read <= set(module.EXAMPLE_FIELDS)
