@@ -5,6 +5,7 @@ tiny pipeline end to end, all in one run on this machine.
     python -m bench --quick              # tiny model, 2 steps, SFT alone, no pipeline (what the test runs)
     python -m bench --rl_only            # the full RL cases alone (no supervised stages, no pipeline)
     python -m bench --rl_only --case tiny --seeds 16   # one RL case alone, its accuracy over 16 seeds
+    python -m bench --data               # time to the first step and memory on 10k-700k pairs (bench/data_scale.py)
 
 Our RL stage also runs with --async_train (rollouts one step ahead) beside a synchronous run on the same placement
 (the full bench; the quick one compares with the hybrid-engine run): loop seconds, accuracy, and how much of the
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import data_scale
 from infra.ray_cluster import LocalRayHead
 from stages.tiny import TinyModelShape, build_tiny_assets, build_tiny_model
 
@@ -241,17 +243,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None,
                         help="train each RL case with this many seeds (42, 43, ...) for the accuracy row "
                              "(default: 3 for the tiny case, 1 otherwise)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results.json"), help="where the JSON goes")
+    parser.add_argument("--data", action="store_true",
+                        help="data at scale alone: seconds to the first training step and peak memory per dataset size")
+    parser.add_argument("--pairs", default="10000,100000,700000", help="with --data: preference pair counts")
+    parser.add_argument("--sft_rows", default="1000000", help="with --data: SFT row counts (0: none)")
+    parser.add_argument("--out", default=None,
+                        help="where the JSON goes (default: bench/results.json, with --data bench/results-data.json)")
     parser.add_argument("--work_dir", default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args(argv)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rlhf-bench-"))
+    out = Path(args.out or ROOT / "bench" / ("results-data.json" if args.data else "results.json"))
     with LocalRayHead(auth_mode="disabled") as head:
         RAY_ENV.update(RAY_ADDRESS=head.gcs_address, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-        results = measure(args.quick, work, rl_only=args.rl_only, case_name=args.case, seeds=args.seeds)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        if args.data:
+            counts = {name: [int(n) for n in value.split(",") if int(n)] for name, value in
+                      (("pairs", args.pairs), ("sft_rows", args.sft_rows))}
+            model = str(build_tiny_model(work / "model", seed=0))
+            results = {"machine": machine(), **data_scale.measure(work, model, env(), ROOT, **counts)}
+            results["table"] = data_scale.table(results)
+        else:
+            results = measure(args.quick, work, rl_only=args.rl_only, case_name=args.case, seeds=args.seeds)
+    out.write_text(json.dumps(results, indent=1))
     print(results["table"])
-    print(f"\nwritten to {args.out} (machine: {results['machine']['cpus']} CPUs, {results['machine']['cpu']})")
+    print(f"\nwritten to {out} (machine: {results['machine']['cpus']} CPUs, {results['machine']['cpu']})")
     return 0
 
 

@@ -61,3 +61,25 @@ def test_one_update_on_the_same_batch_matches_trls(sft_model, assets, tmp_path):
     assert same["gradient_norm"]["ours"] == pytest.approx(same["gradient_norm"]["trl"], rel=1e-3)
     assert same["gradient_cosine"] > 0.9999
     assert same["optimizer_step_max_parameter_difference"] < 1e-6
+
+
+def test_the_data_bench_writes_real_format_rows_and_reads_what_the_stage_prints(tmp_path):
+    """`python -m bench --data`'s synthetic pairs pass the reward model's schema in the seed's conversation layout,
+    with the stated lengths; its parser reads both lines a stage prints about its examples."""
+    from bench import data_scale
+    from stages import data
+    from stages.cli import parse_stage_args
+    from stages.prepared import Preparation
+    from stages.registry import STAGES
+
+    path = data_scale.write_pairs(tmp_path / "pairs.jsonl", 50)
+    cfg = parse_stage_args(STAGES["reward_model"], ["--config", "tiny", "--pretrain", "unused", "--dataset", str(path),
+                                                    "--prompt_key", "none"])
+    cfg.validate_rows(data.load_rows(str(path)), str(path))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(row["chosen"][0] == row["rejected"][0] and 20 <= len(row["chosen"][0]["content"].split()) <= 90
+               and 60 <= len(row["rejected"][1]["content"].split()) <= 200 for row in rows)
+    first = Preparation([1] * 98, 100, 12.5, False, 2, 1.5).summary("training rows")
+    again = Preparation([1] * 98, 100, 0.4, True, 1, 0.5).summary("training rows")
+    assert data_scale.PREPARED.search(first)["rate"] == "8" and data_scale.PREPARED.search(first)["seconds"] == "12.5"
+    assert data_scale.PREPARED.search(again)["how"].startswith("from the cache")
