@@ -7,8 +7,10 @@ its processes hold, as the dataset grows; a first run (tokenizing) and a second 
 Pairs are synthetic rows in OpenRLHF/preference_dataset_mixture2_and_safe_pku's layout (chosen and rejected whole
 conversations: a user turn of 20-90 words, answers of 60-200 words); SFT rows are OpenOrca-like question/response
 pairs. The reward model (or SFT) stage runs on the tiny preset's settings with --max_len 512 and is stopped at its
-first step. Memory is the peak of the summed RSS of the stage's driver and its rank processes (and the processes
-they start), sampled every 0.2 s; memory-mapped examples count where their pages are resident.
+first step. Memory is the peak, sampled every 0.2 s, of the summed memory of the stage's driver and its rank processes
+(and the processes they start): resident (RSS: memory-mapped data files count where their pages are in the page
+cache, once per process that reads them) and private (RSS less file-backed and shared pages: what the processes
+allocated).
 """
 
 from __future__ import annotations
@@ -86,17 +88,18 @@ def until_first_step(command: list[str], env: dict, cwd: Path, rank_name: str) -
     what the stage said about preparing its examples."""
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    driver, peak, lines, done = psutil.Process(proc.pid), [0], [], threading.Event()
+    driver, peak, lines, done = psutil.Process(proc.pid), [0, 0], [], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            total = 0
+            resident = private = 0
             for process in stage_processes(driver, rank_name):
                 try:
-                    total += process.memory_info().rss
+                    memory = process.memory_info()
                 except psutil.Error:
-                    pass
-            peak[0] = max(peak[0], total)
+                    continue
+                resident, private = resident + memory.rss, private + memory.rss - memory.shared
+            peak[0], peak[1] = max(peak[0], resident), max(peak[1], private)
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -115,6 +118,7 @@ def until_first_step(command: list[str], env: dict, cwd: Path, rank_name: str) -
         raise RuntimeError(f"{' '.join(command)} ended before its first step:\n{''.join(lines[-60:])}")
     prepared = next((match for line in lines if (match := PREPARED.search(line))), None)
     return {"seconds_to_first_step": round(seconds, 1), "peak_memory_gib": round(peak[0] / 2**30, 2),
+            "peak_private_memory_gib": round(peak[1] / 2**30, 2),
             "cached": bool(prepared and prepared["how"].startswith("from the cache")),
             "tokenize_seconds": float(prepared["seconds"]) if prepared and prepared["seconds"] else None,
             "tokenize_rows_per_s": int(prepared["rate"]) if prepared and prepared["rate"] else None}
@@ -147,16 +151,16 @@ def measure(work: Path, model: str, env: dict, cwd: Path, pairs: list[int], sft_
     return {"max_len": MAX_LEN, "cases": results}
 
 
-HEADER = ("| stage | rows | file | first run: to first step | tokenized rows/s | peak memory | second run: to first "
-          "step | peak memory |\n|---|---|---|---|---|---|---|---|")
+HEADER = ("| stage | rows | file | first run: to first step | tokenized rows/s | peak memory: resident, private | "
+          "second run: to first step | peak memory: resident, private |\n|---|---|---|---|---|---|---|---|")
 
 
 def row_of(case: dict) -> str:
     first, second = case["first"], case["second"]
     return (f"| {case['stage']} | {case['rows']:,} | {case['file_gib']} GiB | {first['seconds_to_first_step']} s | "
-            f"{first['tokenize_rows_per_s'] or '-'} | {first['peak_memory_gib']} GiB | "
-            f"{second['seconds_to_first_step']} s{' (cache)' if second['cached'] else ''} | "
-            f"{second['peak_memory_gib']} GiB |")
+            f"{first['tokenize_rows_per_s'] or '-'} | {first['peak_memory_gib']}, {first['peak_private_memory_gib']} GiB"
+            f" | {second['seconds_to_first_step']} s{' (cache)' if second['cached'] else ''} | "
+            f"{second['peak_memory_gib']}, {second['peak_private_memory_gib']} GiB |")
 
 
 def table(results: dict) -> str:

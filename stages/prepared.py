@@ -55,6 +55,10 @@ class ExampleRows(Sequence):
             return self.take(range(len(self))[index])
         return self.table[index]
 
+    def __iter__(self):
+        for start in range(0, len(self), BATCH_ROWS):
+            yield from self.take(range(start, min(start + BATCH_ROWS, len(self))))
+
     def take(self, indices: Sequence[int]) -> list[dict]:
         if len(indices) == 0:
             return []
