@@ -9,7 +9,9 @@ it: the rows (datasets' fingerprint of the loaded, mixed and cut data: another f
 --max_samples is another fingerprint), the tokenizer (vocabulary, settings, chat template), the config fields the
 stage's encoding reads (its EXAMPLE_FIELDS) and the source of the encoding code. A retried or resumed stage, and a
 night whose data did not change, find the files and start training without tokenizing. Held as Arrow, an example
-costs its token ids' bytes on disk and nothing in a rank's Python heap until its batch is read.
+costs its token ids' bytes on disk and nothing in a rank's Python heap until its batch is read. Files no stage has
+used for RLHF_EXAMPLE_CACHE_DAYS days (default 7) are removed when a stage prepares its examples, so that nights
+of changing data do not fill the disk.
 
 Rows that leave nothing to train on are counted over the whole dataset (`data.check_dropped`): logged by row, and
 an error when no row fits.
@@ -37,6 +39,7 @@ PREPARED_FORMAT = 1  # the layout of the files; a change makes every cached prep
 BATCH_ROWS = 1_000  # rows encoded at a time by one process: its memory, whatever the dataset's size
 PARALLEL_FROM_ROWS = 20_000  # fewer rows encode faster in this process than worker processes start
 MAX_PROCESSES = 32
+DEFAULT_CACHE_DAYS = 7.0
 
 Encoder = Callable[[Any, Any, datasets.Dataset], data.Encoded]
 
@@ -120,6 +123,9 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
     shards = ([path] if processes == 1 else
               [directory / f"{key}_{rank:05d}_of_{processes:05d}.arrow" for rank in range(processes)])
     cached = all(shard.exists() for shard in shards)
+    if cached:
+        for shard in shards:
+            os.utime(shard)  # used now: kept for another RLHF_EXAMPLE_CACHE_DAYS
     encoded = rows.map(
         _encode_batch, fn_kwargs={"encode": encode, "cfg": cfg, "tokenizer": tokenizer, "features": rows.features},
         batched=True, batch_size=BATCH_ROWS, remove_columns=rows.column_names, num_proc=None if processes == 1
@@ -132,9 +138,21 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
         data.check_dropped(probe.kind, np.flatnonzero(~fits).tolist(), len(fits), probe.reason)
         encoded = encoded.select(np.flatnonzero(fits))
     encoded = encoded.remove_columns("fits")
+    remove_unused(directory, float(os.environ.get("RLHF_EXAMPLE_CACHE_DAYS", DEFAULT_CACHE_DAYS)) * 86_400)
     peak = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return Preparation(ExampleRows(encoded), len(rows), time.perf_counter() - started, cached, processes,
                        peak / 2**20)
+
+
+def remove_unused(directory: Path, older_than_s: float) -> None:
+    """Remove the cache's files not used for `older_than_s` seconds (a reader that has one open keeps its data)."""
+    cutoff = time.time() - older_than_s
+    for path in directory.glob("*.arrow"):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except FileNotFoundError:  # removed by another stage meanwhile
+            pass
 
 
 def _encode_batch(batch: dict[str, list], *, encode: Encoder, cfg, tokenizer, features) -> dict[str, list]:

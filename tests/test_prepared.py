@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 
 import datasets
 import pytest
@@ -81,6 +83,12 @@ def test_the_same_rows_read_the_cache_and_a_changed_row_encodes_again(assets, to
     assert not first.cached and again.cached
     assert again.examples.take(range(40)) == first.examples.take(range(40))
     assert "from the cache of prepared examples" in again.summary("training rows")
+
+    # Files unused for RLHF_EXAMPLE_CACHE_DAYS go when a stage prepares; those in use stay.
+    stale = prepared.cache_dir() / "cache-of-a-dataset-gone.arrow"
+    stale.write_bytes(b"old")
+    os.utime(stale, (time.time() - 8 * 86_400,) * 2)
+    assert prepare(reward_model, cfg, tokenizer, data.load_rows(str(path))).cached and not stale.exists()
 
     rows[33]["chosen"] = rows[33]["chosen"] + " Checked twice."
     write_jsonl(path, rows)
