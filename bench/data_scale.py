@@ -7,10 +7,10 @@ its processes hold, as the dataset grows; a first run (tokenizing) and a second 
 Pairs are synthetic rows in OpenRLHF/preference_dataset_mixture2_and_safe_pku's layout (chosen and rejected whole
 conversations: a user turn of 20-90 words, answers of 60-200 words); SFT rows are OpenOrca-like question/response
 pairs. The reward model (or SFT) stage runs on the tiny preset's settings with --max_len 512 and is stopped at its
-first step. Memory is the peak, sampled every 0.2 s, of the summed memory of the stage's driver and its rank processes
-(and the processes they start): resident (RSS: memory-mapped data files count where their pages are in the page
-cache, once per process that reads them) and private (RSS less file-backed and shared pages: what the processes
-allocated).
+first step. Memory is the peak, sampled every second (a finer sampling costs the stage CPU), of the summed memory
+of the stage's driver and its rank processes (and the processes they start): resident (RSS: memory-mapped data files
+count where their pages are in the page cache, once per process that reads them) and private (RSS less file-backed
+and shared pages: what the processes allocated).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def write_pairs(path: Path, rows: int, seed: int = 0) -> Path:
     with path.open("w") as out:
         for _ in range(rows):
             user = {"role": "user", "content": source.text(20, 90)}
-            pair = {side: [user, {"role": "assistant", "content": source.text(60, 200)}] for side in ("chosen", "rejected")}
+            pair = {side: [user, {"role": "assistant", "content": source.text(60, 200)}]
+                    for side in ("chosen", "rejected")}
             out.write(json.dumps({**pair, "chosen_score": 1.0, "rejected_score": 0.0}) + "\n")
     return path
 
@@ -100,7 +101,7 @@ def until_first_step(command: list[str], env: dict, cwd: Path, rank_name: str) -
                     continue
                 resident, private = resident + memory.rss, private + memory.rss - memory.shared
             peak[0], peak[1] = max(peak[0], resident), max(peak[1], private)
-            time.sleep(0.2)
+            time.sleep(1.0)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -158,8 +159,9 @@ HEADER = ("| stage | rows | file | first run: to first step | tokenized rows/s |
 def row_of(case: dict) -> str:
     first, second = case["first"], case["second"]
     return (f"| {case['stage']} | {case['rows']:,} | {case['file_gib']} GiB | {first['seconds_to_first_step']} s | "
-            f"{first['tokenize_rows_per_s'] or '-'} | {first['peak_memory_gib']}, {first['peak_private_memory_gib']} GiB"
-            f" | {second['seconds_to_first_step']} s{' (cache)' if second['cached'] else ''} | "
+            f"{first['tokenize_rows_per_s'] or '-'} | "
+            f"{first['peak_memory_gib']}, {first['peak_private_memory_gib']} GiB | "
+            f"{second['seconds_to_first_step']} s{' (cache)' if second['cached'] else ''} | "
             f"{second['peak_memory_gib']}, {second['peak_private_memory_gib']} GiB |")
 
 

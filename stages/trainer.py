@@ -17,6 +17,7 @@ import json
 import math
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,11 @@ from stages.distributed import RankWorker
 from stages.errors import StageInputError
 from stages.sequences import chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
+
+
+# How long the ranks of a node wait for its first rank to prepare the examples (700k pairs take about 15 minutes
+# on 2 cores).
+PREPARATION_TIMEOUT = timedelta(hours=12)
 
 
 class StepTrainer(RankWorker):
@@ -99,16 +105,29 @@ class StepTrainer(RankWorker):
 
     def prepare_examples(self, rows, what: str) -> prepared.ExampleRows:
         """The examples of `rows`: the first rank of each node prepares them (or finds them cached), then the
-        node's other ranks open the same files."""
+        node's other ranks open the same files. They wait in a gloo group of its own, whose timeout
+        (PREPARATION_TIMEOUT) outlasts tokenizing a large dataset; the ranks' own group gives up after 10 minutes."""
         hosts: list[str] = [""] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname())
         leads = hosts.index(hosts[self.rank]) == self.rank
-        preparation = None
-        for turn in (True, False):
-            if leads == turn:
+        waiting = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
+        preparation, failure = None, None
+        if leads:
+            try:
                 preparation = prepared.prepare(self.encode_rows, self.cfg, self.example_fields, self.tokenizer,
                                                rows, what=what)
-            dist.barrier()
+            except Exception as error:  # the node's other ranks must hear of it rather than wait on
+                failure = error
+        failures: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(failures, failure and f"{type(failure).__name__}: {failure}", group=waiting)
+        if failure is not None:
+            raise failure
+        if any(failures):
+            leader = next(rank for rank, message in enumerate(failures) if message)
+            raise RuntimeError(f"rank {leader} could not prepare the {what}: {failures[leader]}")
+        if not leads:
+            preparation = prepared.prepare(self.encode_rows, self.cfg, self.example_fields, self.tokenizer, rows,
+                                           what=what)
         if self.rank == 0:
             print(f"[{self.stage}] {preparation.summary(what)}", flush=True)
         return preparation.examples

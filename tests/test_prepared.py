@@ -148,3 +148,48 @@ def test_every_config_field_an_encoder_reads_keys_the_cache(stage, module, datas
     recorder = ReadFields(config(stage, source, *flags))
     module.encode_rows(recorder, tokenizer, data.load_rows(str(source), max_samples=4))
     assert recorder.read and recorder.read <= set(module.EXAMPLE_FIELDS)
+
+
+def _prepare_on_two_ranks(rank: int, store_path: str, leader_fails: bool, results) -> None:
+    """Rank 0 takes longer to prepare than the ranks' group waits (2 s): the other rank must wait it out."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from stages.trainer import StepTrainer
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=2))
+
+    def slow_prepare(encode, cfg, fields, tokenizer, rows, what):
+        if rank == 0:
+            time.sleep(4)
+            if leader_fails:
+                raise DataValidationError("all 3 SFT examples were dropped")
+        return prepared.Preparation(prepared.ExampleRows(rows), len(rows), 4.0, rank == 1, 1, 0.1)
+
+    prepared.prepare = slow_prepare
+    trainer = StepTrainer.__new__(StepTrainer)
+    trainer.rank, trainer.world_size, trainer.stage, trainer.cfg, trainer.tokenizer = rank, 2, "sft", None, None
+    trainer.encode_rows = None
+    try:
+        results[rank] = len(trainer.prepare_examples(datasets.Dataset.from_dict({"a": [1, 2, 3]}), "training rows"))
+    except Exception as error:
+        results[rank] = f"{type(error).__name__}: {error}"
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("leader_fails", [False, True])
+def test_the_other_ranks_wait_for_the_first_rank_however_long_it_prepares(tmp_path, leader_fails):
+    """700k pairs take longer to tokenize than a rank's group waits in a collective (10 minutes): a rank timed out
+    waiting for its node's first rank. They now wait in a group of their own; a failure there reaches them at once."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_prepare_on_two_ranks, args=(str(tmp_path / "store"), leader_fails, results), nprocs=2)
+    if leader_fails:
+        assert results[0] == "DataValidationError: all 3 SFT examples were dropped"
+        assert results[1] == ("RuntimeError: rank 0 could not prepare the training rows: DataValidationError: all 3 SFT"
+                              " examples were dropped")
+    else:
+        assert dict(results) == {0: 3, 1: 3}
