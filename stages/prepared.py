@@ -76,7 +76,7 @@ class Preparation:
     seconds: float
     cached: bool
     processes: int
-    peak_memory_gib: float  # of this process and the encoding processes it started
+    peak_memory_gib: float  # this process's peak plus that of the largest encoding process it started
 
     def summary(self, what: str) -> str:
         if self.cached:
