@@ -676,7 +676,7 @@ class Encoded:
 
     examples: list[dict]
     fits: list[bool]
-    kind: str  # "SFT", "preference", "KTO": what the log calls the examples
+    kind: str  # "SFT", "preference", "KTO", "prompt": what the log calls the examples
     reason: str  # why a row does not fit, and what to change
 
     def kept(self) -> list[dict]:
@@ -831,7 +831,7 @@ def encode_kto(
     return Encoded(examples, fits, "KTO", f"the prompt fills max_len={max_len}; raise --max_len")
 
 
-def build_prompt_examples(
+def encode_prompts(
     ds: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -840,25 +840,33 @@ def build_prompt_examples(
     apply_chat_template: bool,
     prompt_max_len: int,
     input_template: str | None = None,
-) -> list[dict]:
+) -> Encoded:
     """[{"prompt", "prompt_ids", "label"}] for rollouts; label is "" without a label_key.
 
     Prompts are text or chat messages (OpenRLHF/prompt-collection-v0.1's context_messages, system turns
     included); messages need `apply_chat_template`, which renders them with the generation prompt. Prompts longer
-    than prompt_max_len are dropped (counted and logged), not cut: a cut prompt is a different task.
+    than prompt_max_len do not fit (dropped, counted and logged), and are not cut: a cut prompt is a different task.
     """
     texts = [format_prompt(tokenizer, p, apply_chat_template, input_template) for p in ds[input_key]]
     # A rendered chat template already holds its special tokens (bos); plain text gets the tokenizer's own.
     prompt_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
     labels = [str(label) for label in ds[label_key]] if label_key is not None else [""] * len(texts)
-    examples, dropped = [], []
-    for row, (text, ids, label) in enumerate(zip(texts, prompt_ids, labels)):
-        if len(ids) > prompt_max_len:
-            dropped.append(row)
-            continue
-        examples.append({"prompt": text, "prompt_ids": ids, "label": label})
-    check_dropped("prompt", dropped, len(texts), f"longer than prompt_max_len={prompt_max_len} tokens")
-    return examples
+    examples, fits = [], []
+    for text, ids, label in zip(texts, prompt_ids, labels):
+        fits.append(len(ids) <= prompt_max_len)
+        examples.append({"prompt": text, "prompt_ids": ids if fits[-1] else [], "label": label})
+    return Encoded(examples, fits, "prompt", f"longer than prompt_max_len={prompt_max_len} tokens")
+
+
+# The config fields encode_prompt_rows reads (the RL and evaluation stages' prompt flags): with the rows and the
+# tokenizer, they key the prepared prompts.
+PROMPT_FIELDS = ("input_key", "label_key", "apply_chat_template", "prompt_max_len", "input_template")
+
+
+def encode_prompt_rows(cfg, tokenizer, rows: datasets.Dataset) -> Encoded:
+    return encode_prompts(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
+                          apply_chat_template=cfg.apply_chat_template, prompt_max_len=cfg.prompt_max_len,
+                          input_template=cfg.input_template)
 
 
 def prompt_and_response(prompt_ids: list[int], response_ids: list[int]) -> tuple[list[int], list[int]]:

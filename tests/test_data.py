@@ -286,18 +286,18 @@ def test_preference_examples_share_the_prompt(tokenizer):
 def test_prompt_examples_carry_text_ids_and_label(tokenizer, caplog):
     rows = [{"prompt": "Add 1 and 1.", "label": "2"}, {"prompt": "Add 4 and 5. " * 10, "label": "9"}]
     with caplog.at_level(logging.WARNING, logger="stages.data"):
-        examples = data.build_prompt_examples(
+        examples = data.encode_prompts(
             dataset(rows), tokenizer, input_key="prompt", label_key="label", apply_chat_template=True,
             prompt_max_len=16,
-        )
+        ).kept()
     assert examples == [{
         "prompt": "<|user|>Add 1 and 1.<|assistant|>",
         "prompt_ids": tokenizer("<|user|>Add 1 and 1.<|assistant|>", add_special_tokens=False)["input_ids"],
         "label": "2",
     }]
     assert "dropped 1 of 2 prompt examples" in caplog.text
-    unlabeled = data.build_prompt_examples(dataset(rows[:1]), tokenizer, input_key="prompt", label_key=None,
-                                           apply_chat_template=False, prompt_max_len=16)
+    unlabeled = data.encode_prompts(dataset(rows[:1]), tokenizer, input_key="prompt", label_key=None,
+                                    apply_chat_template=False, prompt_max_len=16).kept()
     assert unlabeled[0]["label"] == "" and unlabeled[0]["prompt"] == "Add 1 and 1."
 
 

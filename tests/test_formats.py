@@ -129,8 +129,8 @@ def test_prompt_collection_messages_with_labels(assets, tokenizer):
     rows = data.load_rows(str(assets["prompts_chat_eval"]), max_samples=4)
     assert set(rows.column_names) == {"dataset", "context", "context_messages", "id", "label"}
     data.validate_prompts(rows, "prompts", "context_messages", "label", apply_chat_template=True)
-    examples = data.build_prompt_examples(rows, tokenizer, input_key="context_messages", label_key="label",
-                                          apply_chat_template=True, prompt_max_len=64)
+    examples = data.encode_prompts(rows, tokenizer, input_key="context_messages", label_key="label",
+                                   apply_chat_template=True, prompt_max_len=64).kept()
     for row, example in zip(rows, examples):
         assert example["prompt"] == f"<|user|>{row['context']}<|assistant|>"
         assert example["prompt_ids"] == tokenizer(example["prompt"], add_special_tokens=False)["input_ids"]

@@ -1,6 +1,7 @@
 """Examples prepared once per node (stages/prepared.py): encoded in chunks over several processes, they equal the
-stage's encoder on the whole dataset token for token; a second preparation of the same rows reads the cache, a
-changed row encodes again; dropped rows are counted over the whole dataset."""
+stage's encoder on the whole dataset token for token (the supervised stages' examples and the RL and evaluation
+stages' prompts); a second preparation of the same rows reads the cache, a changed row encodes again; dropped rows
+are counted over the whole dataset."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import os
 import time
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -19,7 +21,11 @@ from stages.dpo import train as dpo
 from stages.kto import train as kto
 from stages.registry import STAGES
 from stages.reward_model import train as reward_model
+from stages.rl.driver import PromptStream
 from stages.sft import train as sft
+
+# The RL and evaluation stages' prompts, encoded as the supervised stages' examples are.
+prompts = SimpleNamespace(encode_rows=data.encode_prompt_rows, EXAMPLE_FIELDS=data.PROMPT_FIELDS)
 
 # (stage, module, dataset, flags): every format the stages encode, as tests/test_formats.py reads them
 FORMATS = [
@@ -33,6 +39,10 @@ FORMATS = [
     ("dpo", dpo, "pref_chat_train", ("--prompt_key", "none")),
     ("kto", kto, "kto_train", ()),
     ("kto", kto, "pref_train", ()),
+    ("rl", prompts, "prompts_train", ("--prompt_max_len", "14")),  # some prompts are longer: dropped
+    ("rl", prompts, "prompts_chat_train", ("--input_key", "context_messages")),
+    ("evaluate", prompts, "prompts_eval", ("--no_apply_chat_template", "--input_template", "Q: {}\nA: ",
+                                           "--label_key", "none")),
 ]
 
 
@@ -46,8 +56,11 @@ def small_chunks(monkeypatch, tmp_path):
 
 
 def config(stage: str, source, *flags: str):
-    return parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", "unused", "--dataset", str(source),
-                                            *flags])
+    data_flags = {"rl": ("--prompt_data", str(source), "--remote_rm_url", "stages/tiny_reward.py"),
+                  "evaluate": ("--prompt_data", str(source), "--remote_rm_url", "stages/tiny_reward.py",
+                               "--eval_suite", "none")}
+    return parse_stage_args(STAGES[stage], ["--config", "tiny", "--pretrain", "unused",
+                                            *data_flags.get(stage, ("--dataset", str(source))), *flags])
 
 
 def prepare(module, cfg, tokenizer, rows):
@@ -65,8 +78,13 @@ def test_prepared_examples_equal_the_encoder_on_the_whole_dataset(stage, module,
     assert preparation.processes == 2 and not preparation.cached
     examples = preparation.examples.take(range(len(preparation.examples)))
     assert examples == expected
-    assert [type(value) for value in examples[0].values()] == [type(value) for value in expected[0].values()]
+    assert {key: type(value) for key, value in examples[0].items()} == {
+        key: type(value) for key, value in expected[0].items()}
     assert preparation.examples[3] == expected[3] and preparation.examples[1:9:3] == expected[1:9:3]
+    if module is prompts:  # the rollout loop draws its prompts from the prepared files in the same order
+        drawn = PromptStream(preparation.examples, 3, 2)
+        walked = PromptStream(prepared.ExampleRows(datasets.Dataset.from_list(expected)), 3, 2)
+        assert drawn.take(50) + drawn.take(100) == walked.take(50) + walked.take(100)
 
 
 def write_jsonl(path, rows) -> None:

@@ -12,12 +12,14 @@ import time
 import types
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 
 from pipeline.rehearsal import StandIns, rehearse_stage
 from stages.cli import parse_stage_args
 from stages.placement import models_take_turns, placement_plan, rank_processes
+from stages.prepared import ExampleRows
 from stages.registry import STAGES
 from stages.rl.config import RLConfig
 from stages.rl.driver import PromptStream, RewardUnavailableError, drift_warnings, evaluate_held_out
@@ -147,7 +149,7 @@ def test_with_partial_rollout_a_weight_update_lands_between_two_segments_of_a_re
 
 
 def test_prompt_stream_walks_seeded_episodes_and_resumes_at_its_position():
-    prompts = [{"prompt": str(i)} for i in range(10)]
+    prompts = ExampleRows(datasets.Dataset.from_list([{"prompt": str(i)} for i in range(10)]))
     stream = PromptStream(prompts, seed=3, num_episodes=2)
     first = [p["prompt"] for p in stream.take(4)] + [p["prompt"] for p in stream.take(8)]
     assert sorted(first[:10]) == sorted(str(i) for i in range(10))  # one episode holds every prompt once

@@ -45,7 +45,7 @@ import ray
 import torch
 from ray.util.placement_group import placement_group
 
-from stages import data
+from stages import data, prepared
 from stages import engine as ds
 from stages.answers import is_correct, vote_key
 from stages.distributed import ActorGroup, Placement, cluster_device, cpu_threads, init_ray
@@ -250,10 +250,9 @@ def benchmark_prompts(benchmark: Benchmark, cfg, tokenizer) -> list[dict]:
     rows = data.load_rows(benchmark.dataset, split=benchmark.split, max_samples=benchmark.max_samples,
                           subset=benchmark.subset)
     prompts, labels = benchmark_rows(benchmark, rows, cfg)
-    return data.build_prompt_examples(datasets.Dataset.from_dict({"prompt": prompts, "label": labels}), tokenizer,
-                                      input_key="prompt", label_key="label",
-                                      apply_chat_template=cfg.apply_chat_template, prompt_max_len=cfg.prompt_max_len,
-                                      input_template=cfg.input_template)
+    return data.encode_prompts(datasets.Dataset.from_dict({"prompt": prompts, "label": labels}), tokenizer,
+                               input_key="prompt", label_key="label", apply_chat_template=cfg.apply_chat_template,
+                               prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template).kept()
 
 
 def check_scorable(prompt_sets: list[PromptSet], cfg) -> None:
@@ -280,10 +279,11 @@ def run(cfg) -> dict[str, Any]:
     if cfg.prompt_data:
         rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
                                  validate=cfg.validate_rows)
-        prompts = data.build_prompt_examples(rows, tokenizer, input_key=cfg.input_key, label_key=cfg.label_key,
-                                             apply_chat_template=cfg.apply_chat_template,
-                                             prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
-        prompt_sets.append(PromptSet("", "prompts", prompts, cfg.eval_n_samples_per_prompt))
+        # Cached as the RL stage's prompts are; answered whole, so read whole.
+        preparation = prepared.prepare(data.encode_prompt_rows, cfg, data.PROMPT_FIELDS, tokenizer, rows,
+                                       what="prompts")
+        print(f"[evaluate] {preparation.summary('prompts')}", flush=True)
+        prompt_sets.append(PromptSet("", "prompts", list(preparation.examples), cfg.eval_n_samples_per_prompt))
     for benchmark in cfg.eval_suite or []:
         prompt_sets.append(PromptSet(benchmark.name, benchmark.format, benchmark_prompts(benchmark, cfg, tokenizer),
                                      benchmark.n_samples))

@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -59,6 +59,9 @@ from stages.rl.rollout import (
 from stages.rl.rollout_queue import RolloutQueue
 from stages.sequences import build_sequences, chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
+
+if TYPE_CHECKING:  # the data libraries load once the role processes are starting (load_prompts)
+    from stages.prepared import ExampleRows
 
 # Phases that follow one another within a step; whatever else the step took is reported as idle.
 SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "training", "weight_sync", "evaluation",
@@ -223,9 +226,10 @@ class RewardUnavailableError(RuntimeError):
 # ----------------------------------------------------------------------------- prompts and rewards
 
 class PromptStream:
-    """The prompts in a seeded order, one episode after the other; `position` counts the prompts taken."""
+    """The prompts in a seeded order, one episode after the other; `position` counts the prompts taken. Only the
+    prompts taken are read from the prepared files."""
 
-    def __init__(self, prompts: list[dict], seed: int, num_episodes: int, position: int = 0):
+    def __init__(self, prompts: ExampleRows, seed: int, num_episodes: int, position: int = 0):
         self.prompts, self.seed, self.num_episodes, self.position = prompts, seed, num_episodes, position
         self._orders: dict[int, list[int]] = {}
 
@@ -241,7 +245,7 @@ class PromptStream:
                 generator = torch.Generator().manual_seed(self.seed * 7919 + episode)
                 self._orders[episode] = torch.randperm(len(self.prompts), generator=generator).tolist()
             part = self._orders[episode][index : index + count - len(taken)]
-            taken += [self.prompts[i] for i in part]
+            taken += self.prompts.take(part)
             self.position += len(part)
         return taken
 
@@ -689,32 +693,39 @@ def run(cfg: RLConfig) -> dict[str, Any]:
         roles.shutdown()
 
 
-def load_prompts(cfg: RLConfig) -> tuple[list[dict], list[dict], Any, Any]:
+def load_prompts(cfg: RLConfig) -> tuple[ExampleRows, list[dict], Any, Any]:
     """(training prompts, held-out prompts, the reward function or endpoints, the tokenizer), data validated.
 
-    The data libraries are imported here, once the role processes are starting, not before."""
-    from stages import data
+    The prompts are rendered and tokenized once into the cache of prepared examples (stages/prepared.py): the
+    rollout loop reads each step's prompts from its files, and a retried, resumed or unchanged night renders none
+    again. The held-out prompts are answered whole at every evaluation, so they are read whole. The data libraries
+    are imported here, once the role processes are starting, not before."""
+    from stages import data, prepared
     from stages.model_io import load_tokenizer
 
     reward_source = reward_source_of(cfg)
     def validate(rows, source: str) -> None:
         cfg.validate_rows(rows, source)
 
+    tokenizer = load_tokenizer(cfg.pretrain)
+
+    def prepare(rows, what: str) -> ExampleRows:
+        preparation = prepared.prepare(data.encode_prompt_rows, cfg, data.PROMPT_FIELDS, tokenizer, rows, what=what)
+        print(f"[rl] {preparation.summary(what)}", flush=True)
+        return preparation.examples
+
     rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
                              probabilities=cfg.prompt_data_probabilities, seed=cfg.seed, validate=validate)
-    eval_rows = None
+    prompts = prepare(rows, "prompts")
+    eval_prompts = []
     if cfg.eval_dataset:
-        eval_rows = data.load_mixture(cfg.eval_dataset, split=cfg.eval_split, max_samples=cfg.max_samples,
-                                      validate=validate)
-    tokenizer = load_tokenizer(cfg.pretrain)
-    prompt_options = dict(input_key=cfg.input_key, label_key=cfg.label_key, apply_chat_template=cfg.apply_chat_template,
-                          prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template)
-    prompts = data.build_prompt_examples(rows, tokenizer, **prompt_options)
-    eval_prompts = data.build_prompt_examples(eval_rows, tokenizer, **prompt_options) if eval_rows else []
+        eval_prompts = list(prepare(data.load_mixture(cfg.eval_dataset, split=cfg.eval_split,
+                                                      max_samples=cfg.max_samples, validate=validate),
+                                    "held-out prompts"))
     return prompts, eval_prompts, reward_source, tokenizer
 
 
-def train(cfg: RLConfig, roles: Roles, prompts: list[dict], eval_prompts: list[dict], scorer: Scorer, tokenizer,
+def train(cfg: RLConfig, roles: Roles, prompts: ExampleRows, eval_prompts: list[dict], scorer: Scorer, tokenizer,
           start_step: int, total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     if start_step and roles.get("critic") is not None:
