@@ -218,3 +218,24 @@ def test_a_reward_file_is_keyed_with_the_project_code_it_imports(tmp_path):
     assert imported_code_version(standalone, root) is None
     assert "+code:" not in source_fingerprint(str(standalone))
     assert "+code:" in source_fingerprint("configs/reward_funcs/math_answer.py")
+
+
+# ---------------------------------------------------------------------------------------------- lm-eval tasks
+
+def test_lm_eval_tasks_are_listed_either_way_and_an_unknown_one_is_refused_by_name(tmp_path):
+    from stages.evaluate import harness
+    from stages.errors import StageInputError
+
+    (tmp_path / "tiny_local.yaml").write_text(json.dumps({
+        "task": "tiny_local", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "unused.jsonl"}},
+        "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{q}}", "doc_to_target": "{{a}}"}))
+    cfg = parse_stage_args(EvaluateConfig, [*EVALUATE, "--lm_eval", "tiny_local,gsm8k", "ifeval",
+                                            "--lm_eval_include_path", str(tmp_path)])
+    assert cfg.lm_eval == ["tiny_local", "gsm8k", "ifeval"]
+    # Local tasks alone: lm-eval's own ~15,000 are not indexed; a name found in neither is refused by name.
+    assert harness.task_manager(cfg.model_copy(update={"lm_eval": ["tiny_local"]})).all_tasks == ["tiny_local"]
+    with pytest.raises(StageInputError, match="--lm_eval: no lm-eval task or group named tiny_locl$"):
+        harness.task_manager(cfg.model_copy(update={"lm_eval": ["gsm8k", "tiny_local", "tiny_locl"]}))
+    # lm-eval's `metric,filter` as metric names, the other models' prefix before the metric.
+    assert harness.metric_key("gsm8k", "exact_match,strict-match", "") == "lm_eval/gsm8k/exact_match_strict-match"
+    assert harness.metric_key("tiny_local", "acc,none", "reference_") == "lm_eval/tiny_local/reference_acc"

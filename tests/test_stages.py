@@ -173,14 +173,69 @@ def test_qlora_dpo_on_4bit_policy_and_reference_answers_better(sft_model, sft_ac
     assert greedy_accuracy(out, assets["prompts_eval"]) > sft_accuracy + 0.3
 
 
+def lm_eval_tasks(assets, folder: Path) -> Path:
+    """Local lm-evaluation-harness tasks on the tiny task's held-out data, one per kind of request: the prompts in
+    GSM8K's layout answered by generation (an answer filter, exact match), the right answer against the wrong one
+    of each held-out pair by log-likelihood (multiple choice), and the right answer as a greedy continuation
+    (log-likelihood: acc is "greedy decoding says it"), and the SFT texts' perplexity (rolling log-likelihood)."""
+    folder.mkdir()
+    tasks = {
+        "tiny_gsm8k": {"dataset_kwargs": {"data_files": {"test": str(assets["prompts_eval_gsm8k"])}},
+                       "output_type": "generate_until", "doc_to_text": "{{question}}",
+                       "doc_to_target": "{{answer.split('#### ')[-1]}}",
+                       "generation_kwargs": {"until": ["<|eos|>"], "do_sample": False},
+                       "filter_list": [{"name": "answer", "filter": [
+                           {"function": "regex", "regex_pattern": "Answer: (-?[0-9]+)"}, {"function": "take_first"}]}],
+                       "metric_list": [{"metric": "exact_match"}]},
+        "tiny_choice": {"dataset_kwargs": {"data_files": {"test": str(assets["pref_eval"])}},
+                        "output_type": "multiple_choice", "doc_to_text": "{{prompt}}", "target_delimiter": "",
+                        "doc_to_choice": "{{[chosen, rejected]}}", "doc_to_target": 0,
+                        "metric_list": [{"metric": "acc"}]},
+        "tiny_greedy": {"dataset_kwargs": {"data_files": {"test": str(assets["prompts_eval"])}},
+                        "output_type": "loglikelihood", "doc_to_text": "{{prompt}}", "target_delimiter": "",
+                        "doc_to_target": "Answer: {{label}}<|eos|>", "metric_list": [{"metric": "acc"}]},
+        "tiny_perplexity": {"dataset_kwargs": {"data_files": {"test": str(assets["pretrain_train"])}},
+                            "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                            "metric_list": [{"metric": "word_perplexity"}]},
+    }
+    for name, task in tasks.items():
+        (folder / f"{name}.yaml").write_text(json.dumps({"task": name, "dataset_path": "json", "test_split": "test",
+                                                        **task}))  # JSON is YAML
+    return folder
+
+
+def choice_accuracy(model_dir: Path, pairs_file: Path, rows: int) -> float:
+    """Share of held-out pairs whose right answer the model finds likelier than the wrong one after the prompt
+    (summed log-probs, HF forward): what the tiny_choice task's acc measures."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    def logprob(context: str, answer: str) -> float:
+        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(context + answer, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        return sum(float(logits[i - 1, ids[i]]) for i in range(len(context_ids), len(ids)))
+
+    pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()[:rows]]
+    wins = [logprob(context, p["chosen"]) > logprob(context, p["rejected"]) for p in pairs
+            for context in [data.format_prompt(tokenizer, p["prompt"], apply_chat_template=True)]]
+    return sum(wins) / len(wins)
+
+
 def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
     """The held-out prompts, and the same prompts as gsm8k and math benchmarks of an eval suite: answers compared
-    with math-verify score as the tiny task's own reward does."""
+    with math-verify score as the tiny task's own reward does; lm-evaluation-harness tasks on the same data, through
+    the same engines, score as the stage's own metrics and an HF forward do."""
     out = tmp_path / "report"
     run_stage("evaluate", "--pretrain", sft_model, "--ref_pretrain", sft_model, "--remote_rm_url",
               "stages/tiny_reward.py", "--prompt_data", assets["prompts_eval"], "--save_path", out,
               "--num_gpus_per_node", 2, "--max_samples", 64,
-              "--eval_suite", tiny_suite(assets, tmp_path / "suite.yaml", 64, preferences=False))
+              "--eval_suite", tiny_suite(assets, tmp_path / "suite.yaml", 64, preferences=False),
+              "--lm_eval", "tiny_gsm8k,tiny_choice", "tiny_greedy", "tiny_perplexity",
+              "--lm_eval_include_path", lm_eval_tasks(assets, tmp_path / "lm-eval-tasks"))
     metrics = metrics_of(out)
     assert metrics["prompts"] == metrics["gsm8k/prompts"] == metrics["math/prompts"] == 64
     # Same weights on both sides: equal greedy accuracy, no paired difference on any prompt, a KL of zero.
@@ -194,6 +249,17 @@ def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
     assert metrics["gsm8k/accuracy_gain_vs_reference_low"] == metrics["gsm8k/accuracy_gain_vs_reference_high"] == 0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["benchmark"] for s in samples} == {"", "gsm8k", "math"}
+    # lm-eval: the same greedy answers, filtered by its regex; the right answer as greedy decoding's continuation;
+    # the multiple choice as an HF forward scores it; each for both models (same weights: same numbers).
+    harness = {key: value for key, value in metrics.items() if key.startswith("lm_eval/")}
+    assert harness["lm_eval/tiny_gsm8k/exact_match_answer"] == metrics["gsm8k/accuracy"], harness
+    assert abs(harness["lm_eval/tiny_greedy/acc"] - metrics["accuracy"]) <= 1 / 64, harness  # within one prompt
+    assert harness["lm_eval/tiny_choice/acc"] == pytest.approx(choice_accuracy(sft_model, assets["pref_eval"], 64))
+    assert 1 < harness["lm_eval/tiny_perplexity/word_perplexity"] < math.inf
+    for key, value in harness.items():
+        task, metric = key.split("/")[1:]
+        if not metric.startswith("reference_"):
+            assert harness[f"lm_eval/{task}/reference_{metric}"] == pytest.approx(value), key
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model"])

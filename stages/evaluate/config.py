@@ -49,6 +49,15 @@ class EvaluateConfig(RankLayout, PromptConfig):
         "preference_prompts), n_samples, max_samples",
     )
 
+    lm_eval: list[str] | None = Field(
+        None, description="lm-evaluation-harness tasks or groups every model also runs through the stage's engines "
+        "(the lm_eval extra), e.g. gsm8k ifeval (or gsm8k,ifeval); metrics lm_eval/<task>/<metric> "
+        "(stages/evaluate/harness.py)",
+    )
+    lm_eval_include_path: str | None = Field(
+        None, description="a folder of lm-eval task YAML files (tasks on local data, say) found besides lm-eval's own",
+    )
+
     required_inputs = (("pretrain",), ("prompt_data", "eval_suite"),
                        ("reward_pretrain", "remote_rm_url", "agent_func_path"))
 
@@ -63,6 +72,14 @@ class EvaluateConfig(RankLayout, PromptConfig):
     @classmethod
     def _read_suite_file(cls, value):
         return load_suite(value)
+
+    @field_validator("lm_eval", mode="before")
+    @classmethod
+    def _split_task_lists(cls, value):
+        # lm-eval's own command line takes `--tasks a,b`: the same words here.
+        if isinstance(value, str):
+            value = [value]
+        return [task for item in value for task in str(item).split(",") if task] if value is not None else None
 
     @model_validator(mode="after")
     def _check_suite(self):

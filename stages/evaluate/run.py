@@ -21,6 +21,10 @@ beside `pass1` and `pass<n>`; `prompts` answers get the stage's reward; every be
 model's score, and with it the win rates. Its metrics, comparisons and samples carry the prefix `<name>/`. The KL is
 estimated on the first prompt set (--prompt_data where given).
 
+With `--lm_eval` every model also runs lm-evaluation-harness tasks through the same engines
+(stages/evaluate/harness.py): `lm_eval/<task>/<metric>`, `reference_` / `production_` before the metric for the
+others.
+
 With `--agent_func_path` each model plays the agent's episodes instead (greedy, and sampled for pass@n): `accuracy`
 is the mean episode reward, `response_length` counts the episode's tokens after the prompt; the KL is still
 estimated on single responses.
@@ -57,7 +61,7 @@ from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
 from stages.rl.agents import agent_rollouts, load_agent_executor
 from stages.rl.critic import RewardModelWorker
-from stages.rl.rollout import Rollout, create_rollout_engines, generate_across
+from stages.rl.rollout import Rollout, create_rollout_engines, generate_across, score_across
 from stages.sequences import build_sequences
 from stages.tracking import StepLog
 
@@ -233,11 +237,7 @@ class Evaluation:
 
     def kl_to_loaded(self, samples: list[Rollout]) -> float:
         """Mean over prompts of sum_t (log π − log π_loaded) on the policy's samples."""
-        sequences = [(r.prompt_ids, list(r.response_ids)) for r in samples]
-        per_engine = -(-len(sequences) // len(self.engines))
-        parts = ray.get([engine.score_tokens.remote(sequences[i : i + per_engine])
-                         for engine, i in zip(self.engines, range(0, len(sequences), per_engine))])
-        loaded = [lp for part in parts for lp in part]
+        loaded = score_across(self.engines, [(r.prompt_ids, list(r.response_ids)) for r in samples])
         return sum(sum(r.logprobs) - sum(ref) for r, ref in zip(samples, loaded)) / len(samples)
 
     def close(self) -> None:
@@ -253,6 +253,27 @@ def benchmark_prompts(benchmark: Benchmark, cfg, tokenizer) -> list[dict]:
     return data.encode_prompts(datasets.Dataset.from_dict({"prompt": prompts, "label": labels}), tokenizer,
                                input_key="prompt", label_key="label", apply_chat_template=cfg.apply_chat_template,
                                prompt_max_len=cfg.prompt_max_len, input_template=cfg.input_template).kept()
+
+
+def harness_tasks(cfg):
+    """lm-eval's task index with every task --lm_eval names, checked before any engine starts (None without it)."""
+    if not cfg.lm_eval:
+        return None
+    try:
+        from stages.evaluate import harness  # an optional extra, imported where asked for
+    except ImportError as error:
+        raise StageInputError(f"--lm_eval needs lm-evaluation-harness ({error}): pip install -e '.[lm_eval]'"
+                              ) from error
+    return harness.task_manager(cfg)
+
+
+def harness_metrics(cfg, tasks, evaluation: Evaluation, tokenizer, model: str) -> dict[str, float]:
+    """--lm_eval's tasks answered by the model in the engines (none without the flag)."""
+    if tasks is None:
+        return {}
+    from stages.evaluate import harness
+
+    return harness.run_tasks(cfg, tasks, evaluation.engines, tokenizer, model)
 
 
 def check_scorable(prompt_sets: list[PromptSet], cfg) -> None:
@@ -288,6 +309,7 @@ def run(cfg) -> dict[str, Any]:
         prompt_sets.append(PromptSet(benchmark.name, benchmark.format, benchmark_prompts(benchmark, cfg, tokenizer),
                                      benchmark.n_samples))
     check_scorable(prompt_sets, cfg)
+    tasks = harness_tasks(cfg)
     init_ray()
     device = cluster_device(cfg.device)
     note_limits("evaluate", cfg, device)
@@ -308,12 +330,14 @@ def run(cfg) -> dict[str, Any]:
         metrics = {}
         for prompt_set in prompt_sets:
             metrics |= evaluation.score("policy", prompt_set)
+        metrics |= harness_metrics(cfg, tasks, evaluation, tokenizer, "policy")
         samples = evaluation.policy_samples() if "reference" in models else []
         for name in ("reference", "production"):
             if name in models:
                 evaluation.load(models[name])
                 for prompt_set in prompt_sets:
                     metrics |= evaluation.score(name, prompt_set)
+                metrics |= harness_metrics(cfg, tasks, evaluation, tokenizer, name)
                 if name == "reference":
                     metrics["kl_mean"] = evaluation.kl_to_loaded(samples)
     finally:

@@ -480,6 +480,17 @@ def extend_across(engines: Sequence[ray.actor.ActorHandle], sequences: list[list
     return [extension for part in ray.get(refs) for extension in part]
 
 
+def score_across(engines: Sequence[ray.actor.ActorHandle],
+                 sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """`score_tokens` with the (prompt, response) pairs split over the engines, in order."""
+    if not sequences:
+        return []
+    per_engine = math.ceil(len(sequences) / len(engines))
+    refs = [engine.score_tokens.remote(sequences[start : start + per_engine])
+            for engine, start in zip(engines, range(0, len(sequences), per_engine))]
+    return [scored for part in ray.get(refs) for scored in part]
+
+
 def resolve_backend(backend: Backend) -> str:
     if backend not in ("vllm", "hf", "auto"):
         raise ValueError(f"rollout backend must be 'vllm', 'hf' or 'auto', got {backend!r}")
