@@ -146,9 +146,11 @@ def run_tasks(cfg, tasks: TaskManager, engines: list, tokenizer, model: str) -> 
     """The metrics of the model in the engines on --lm_eval's tasks, named as `model`'s (no prefix: the policy)."""
     lm = EngineLM(engines, tokenizer, max_len=cfg.prompt_max_len + cfg.generate_max_len,
                   max_new_tokens=cfg.generate_max_len, seed=cfg.seed)
+    # --max_samples cuts each task only where set below its default (lm-eval warns that any limit is for testing).
+    cut = cfg.max_samples < type(cfg).model_fields["max_samples"].default
     results: dict[str, Any] = simple_evaluate(
         model=lm, tasks=list(cfg.lm_eval), task_manager=tasks,
-        limit=cfg.max_samples if cfg.max_samples < 1_000_000 else None, apply_chat_template=cfg.apply_chat_template,
+        limit=cfg.max_samples if cut else None, apply_chat_template=cfg.apply_chat_template,
         log_samples=False, bootstrap_iters=0, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
         torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
     )
