@@ -612,6 +612,21 @@ def _conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[di
 # -------------------------------------------------------------------------------------------------- examples
 
 
+def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text, as `tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]`.
+
+    A fast tokenizer's Rust batch encoder is called directly: the same ids without the per-text dicts (attention
+    masks, ...) the wrapper builds, about a quarter of the encoding time. The wrapper runs when the backend is set
+    to truncate, pad or split special tokens otherwise than the wrapper would (it resets that first)."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if (backend is None or backend.truncation is not None or backend.padding is not None
+            or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False))):
+        return tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
+    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=special_tokens)]
+
+
 def _encode_pieces(tokenizer: PreTrainedTokenizerBase, rows: list[list[tuple[str, bool]]], *,
                    special_tokens: bool, add_eos: bool = True) -> list[tuple[list[int], list[int]]]:
     """Token ids and loss mask (1 = a target to predict) of each row's (text, trained) pieces.
@@ -620,12 +635,13 @@ def _encode_pieces(tokenizer: PreTrainedTokenizerBase, rows: list[list[tuple[str
     chat template already holds them). With `add_eos`, a row not ending in eos gets one, trained like the
     piece before it: the model learns to stop.
     """
-    if add_eos and tokenizer.eos_token_id is None:
+    eos = tokenizer.eos_token_id  # read once: each read looks the token up in the vocabulary again
+    if add_eos and eos is None:
         raise DataValidationError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end responses with")
     firsts = [pieces[0][0] for pieces in rows if pieces]
     rests = [text for pieces in rows for text, _ in pieces[1:]]
-    first_ids = iter(tokenizer(firsts, add_special_tokens=special_tokens)["input_ids"] if firsts else [])
-    rest_ids = iter(tokenizer(rests, add_special_tokens=False)["input_ids"] if rests else [])
+    first_ids = iter(token_ids(tokenizer, firsts, special_tokens=special_tokens))
+    rest_ids = iter(token_ids(tokenizer, rests, special_tokens=False))
     encoded = []
     for pieces in rows:
         ids, mask = [], []
@@ -633,9 +649,9 @@ def _encode_pieces(tokenizer: PreTrainedTokenizerBase, rows: list[list[tuple[str
             piece_ids = next(first_ids) if position == 0 else next(rest_ids)
             ids += piece_ids
             mask += [int(trained)] * len(piece_ids)
-        if add_eos and (not ids or ids[-1] != tokenizer.eos_token_id):
+        if add_eos and (not ids or ids[-1] != eos):
             mask.append(mask[-1] if mask else 1)
-            ids.append(tokenizer.eos_token_id)
+            ids.append(eos)
         encoded.append((ids, mask))
     return encoded
 
@@ -849,7 +865,7 @@ def encode_prompts(
     """
     texts = [format_prompt(tokenizer, p, apply_chat_template, input_template) for p in ds[input_key]]
     # A rendered chat template already holds its special tokens (bos); plain text gets the tokenizer's own.
-    prompt_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+    prompt_ids = token_ids(tokenizer, texts, special_tokens=not apply_chat_template)
     labels = [str(label) for label in ds[label_key]] if label_key is not None else [""] * len(texts)
     examples, fits = [], []
     for text, ids, label in zip(texts, prompt_ids, labels):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -217,6 +218,27 @@ def test_valid_data_with_custom_keys_and_chat_messages_passes(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------- examples
+
+
+@pytest.mark.parametrize("special_tokens", [False, True])
+def test_token_ids_are_the_tokenizers_own(tokenizer, special_tokens):
+    """The Rust batch encoder called directly gives the wrapper's ids, special tokens in the text included; a backend
+    left truncating (by an earlier call with truncation) goes through the wrapper, which resets it."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(tokenizer)  # which starts each text with <|pad|> when special tokens are added
+    pad = tokenizer.pad_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|pad|> $A",
+                                                                    special_tokens=[("<|pad|>", pad)])
+    texts = ["Add 1 and 1.", "<|user|>Hi<|assistant|>Yo<|eos|>", "", "x" * 300]
+    expected = tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
+    assert all((ids[:1] == [pad]) == special_tokens for ids in expected)
+    assert data.token_ids(tokenizer, texts, special_tokens=special_tokens) == expected
+    tokenizer(texts, truncation=True, max_length=4)
+    assert tokenizer.backend_tokenizer.truncation is not None
+    assert data.token_ids(tokenizer, texts, special_tokens=special_tokens) == expected
+    assert tokenizer.backend_tokenizer.truncation is None
+    assert data.token_ids(tokenizer, [], special_tokens=special_tokens) == []
 
 
 def test_format_prompt(tokenizer):
