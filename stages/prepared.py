@@ -112,8 +112,9 @@ def processes_for(rows: int) -> int:
 
 
 def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datasets.Dataset, *,
-            what: str = "examples") -> Preparation:
-    """The examples of `rows`, from the cache or encoded now (and cached)."""
+            what: str = "examples", report: bool = True) -> Preparation:
+    """The examples of `rows`, from the cache or encoded now (and cached). `report`: name the rows that do not fit
+    (and refuse a dataset of which none fits); False for the ranks that open what their node's first rank reported."""
     started = time.perf_counter()
     key = fingerprint(encode, cfg, fields, tokenizer, rows)
     processes = processes_for(len(rows))
@@ -133,9 +134,10 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
     )
     fits = encoded.data.column("fits").to_numpy()  # the map's own table: no index mapping over it
     if not fits.all():
-        # Only the encoder knows how it names its examples and why a row does not fit: it says so for row 0.
-        probe = encode(cfg, tokenizer, rows.select(range(1)))
-        data.check_dropped(probe.kind, np.flatnonzero(~fits).tolist(), len(fits), probe.reason)
+        if report:
+            # Only the encoder knows how it names its examples and why a row does not fit: it says so for row 0.
+            probe = encode(cfg, tokenizer, rows.select(range(1)))
+            data.check_dropped(probe.kind, np.flatnonzero(~fits).tolist(), len(fits), probe.reason)
         encoded = encoded.select(np.flatnonzero(fits))
     encoded = encoded.remove_columns("fits")
     remove_unused(directory, float(os.environ.get("RLHF_EXAMPLE_CACHE_DAYS", DEFAULT_CACHE_DAYS)) * 86_400)

@@ -113,7 +113,8 @@ class StepTrainer(RankWorker):
         waiting = dist.new_group(backend="gloo", timeout=PREPARATION_TIMEOUT)
 
         def prepare() -> prepared.Preparation:
-            return prepared.prepare(self.encode_rows, self.cfg, self.example_fields, self.tokenizer, rows, what=what)
+            return prepared.prepare(self.encode_rows, self.cfg, self.example_fields, self.tokenizer, rows, what=what,
+                                    report=leads)
 
         preparation, failure = None, None
         if leads:

@@ -63,8 +63,8 @@ def config(stage: str, source, *flags: str):
                                             *data_flags.get(stage, ("--dataset", str(source))), *flags])
 
 
-def prepare(module, cfg, tokenizer, rows):
-    return prepared.prepare(module.encode_rows, cfg, module.EXAMPLE_FIELDS, tokenizer, rows)
+def prepare(module, cfg, tokenizer, rows, report: bool = True):
+    return prepared.prepare(module.encode_rows, cfg, module.EXAMPLE_FIELDS, tokenizer, rows, report=report)
 
 
 @pytest.mark.parametrize(("stage", "module", "dataset", "flags"), FORMATS,
@@ -134,6 +134,10 @@ def test_rows_dropped_past_the_first_chunk_are_named_by_their_row(assets, tokeni
     assert len(preparation.examples) == 28
     assert "dropped 2 of 30 SFT examples (no response token fits in max_len=64" in caplog.text
     assert "rows [12, 25]" in caplog.text
+    caplog.clear()  # the node's other ranks open the same examples without saying so again
+    with caplog.at_level(logging.WARNING, logger="stages.data"):
+        again = prepare(sft, cfg, tokenizer, data.load_rows(str(path)), report=False)
+    assert again.cached and len(again.examples) == 28 and "dropped" not in caplog.text
     write_jsonl(path, [rows[12]] * 25)
     with pytest.raises(DataValidationError, match="all 25 SFT examples were dropped"):
         prepare(sft, cfg, tokenizer, data.load_rows(str(path)))
@@ -179,7 +183,8 @@ def _prepare_on_two_ranks(rank: int, store_path: str, leader_fails: bool, result
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=2))
 
-    def slow_prepare(encode, cfg, fields, tokenizer, rows, what):
+    def slow_prepare(encode, cfg, fields, tokenizer, rows, what, report):
+        assert report == (rank == 0)  # the node's first rank names the dropped rows, the other opens its files
         if rank == 0:
             time.sleep(4)
             if leader_fails:
