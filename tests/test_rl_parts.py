@@ -420,3 +420,15 @@ def test_engines_start_and_sleep_before_the_models_load_on_shared_gpus():
     awake = seed.model_copy(update={"vllm_enable_sleep": False})
     assert startup_order(awake, "cuda") == ("engines and models",)
     assert startup_order(rl_config(), "cpu") == ("engines and models",)
+
+
+def test_work_is_split_over_the_engines_in_consecutive_near_equal_parts():
+    from stages.rl.rollout import engine_parts
+
+    def spans(count, engines):
+        return [(i, engine, part.start, min(part.stop, count)) for i, engine, part in engine_parts(engines, count)]
+
+    assert spans(5, ["a", "b"]) == [(0, "a", 0, 3), (1, "b", 3, 5)]
+    assert spans(4, ["a", "b"]) == [(0, "a", 0, 2), (1, "b", 2, 4)]
+    assert spans(1, ["a", "b", "c"]) == [(0, "a", 0, 1)]  # fewer items than engines: the others get none
+    assert spans(0, ["a", "b"]) == []

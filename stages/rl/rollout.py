@@ -456,16 +456,23 @@ class HFEngine(PromptGeneration):
         del self.model
 
 
+def engine_parts(engines: Sequence[ray.actor.ActorHandle], count: int) -> list[tuple[int, ray.actor.ActorHandle, slice]]:
+    """(i, engine i, its slice) of `count` items split into consecutive, near-equal parts over the engines; an
+    engine gets no part when there are fewer items than engines."""
+    per_engine = max(1, math.ceil(count / len(engines)))
+    return [(i, engine, slice(start, start + per_engine))
+            for i, (engine, start) in enumerate(zip(engines, range(0, count, per_engine)))]
+
+
 def generate_across(engines: Sequence[ray.actor.ActorHandle], prompts: list[str], *, seed: int,
                     **sampling) -> list[Rollout]:
     """Split the prompts over the engines (engine i samples with seed + i); rollouts come back in prompt order."""
-    per_engine = math.ceil(len(prompts) / len(engines))
-    refs = [engine.generate.remote(prompts[start : start + per_engine], seed=seed + i, **sampling)
-            for i, (engine, start) in enumerate(zip(engines, range(0, len(prompts), per_engine)))]
+    parts = engine_parts(engines, len(prompts))
+    refs = [engine.generate.remote(prompts[part], seed=seed + i, **sampling) for i, engine, part in parts]
     rollouts = []
-    for start, part in zip(range(0, len(prompts), per_engine), ray.get(refs)):
-        for rollout in part:
-            rollout.prompt_index += start
+    for (_, _, part), answered in zip(parts, ray.get(refs)):
+        for rollout in answered:
+            rollout.prompt_index += part.start
             rollouts.append(rollout)
     return rollouts
 
@@ -473,22 +480,16 @@ def generate_across(engines: Sequence[ray.actor.ActorHandle], prompts: list[str]
 def extend_across(engines: Sequence[ray.actor.ActorHandle], sequences: list[list[int]], budgets: list[int], *,
                   seed: int, **sampling) -> list[Extension]:
     """`extend` with the sequences split over the engines (engine i samples with seed + i), in order."""
-    per_engine = math.ceil(len(sequences) / len(engines))
-    refs = [engine.extend.remote(sequences[start : start + per_engine], budgets[start : start + per_engine],
-                                 seed=seed + i, **sampling)
-            for i, (engine, start) in enumerate(zip(engines, range(0, len(sequences), per_engine)))]
-    return [extension for part in ray.get(refs) for extension in part]
+    refs = [engine.extend.remote(sequences[part], budgets[part], seed=seed + i, **sampling)
+            for i, engine, part in engine_parts(engines, len(sequences))]
+    return [extension for answered in ray.get(refs) for extension in answered]
 
 
 def score_across(engines: Sequence[ray.actor.ActorHandle],
                  sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
     """`score_tokens` with the (prompt, response) pairs split over the engines, in order."""
-    if not sequences:
-        return []
-    per_engine = math.ceil(len(sequences) / len(engines))
-    refs = [engine.score_tokens.remote(sequences[start : start + per_engine])
-            for engine, start in zip(engines, range(0, len(sequences), per_engine))]
-    return [scored for part in ray.get(refs) for scored in part]
+    refs = [engine.score_tokens.remote(sequences[part]) for _, engine, part in engine_parts(engines, len(sequences))]
+    return [scored for answered in ray.get(refs) for scored in answered]
 
 
 def resolve_backend(backend: Backend) -> str:
