@@ -19,6 +19,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from stages.environment import stage_environment
+
 
 def cluster_device(device: str) -> str:
     """The device of a stage's Ray ranks: 'auto' means CUDA when the Ray cluster has GPUs."""
@@ -47,8 +49,7 @@ def cpu_threads(processes_per_node: int) -> int:
     process as with 1).
     """
     cores = min((node["Resources"].get("CPU", 1) for node in ray.nodes() if node["Alive"]), default=1)
-    if os.environ.get("RLHF_CPU_CORES"):
-        cores = min(cores, int(os.environ["RLHF_CPU_CORES"]))
+    cores = min(cores, stage_environment().cpu_cores or cores)
     return max(1, int(cores) // max(processes_per_node, 1))
 
 

@@ -36,6 +36,7 @@ from infra.artifacts import (
     retrying,
     storage_options_from_env,
 )
+from stages.environment import stage_environment
 from stages.errors import SourceUnavailable, StageInputError
 from stages.fields import ModelPath, fields_with
 from stages.fingerprint import hub_model_name, split_revision
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 def model_cache_dir() -> Path:
     """Where s3:// models are downloaded: $RLHF_CACHE_DIR, else ~/.cache/rlhf-models."""
-    return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf-models")
+    return stage_environment().cache_dir
 
 
 def resolve_model_path(name_or_uri: str | os.PathLike) -> str:

@@ -34,12 +34,12 @@ import numpy as np
 from datasets.fingerprint import Hasher
 
 from stages import data
+from stages.environment import stage_environment
 
 PREPARED_FORMAT = 1  # the layout of the files; a change makes every cached preparation miss
 BATCH_ROWS = 1_000  # rows encoded at a time by one process: its memory, whatever the dataset's size
 PARALLEL_FROM_ROWS = 20_000  # fewer rows encode faster in this process than worker processes start
 MAX_PROCESSES = 32
-DEFAULT_CACHE_DAYS = 7.0
 
 Encoder = Callable[[Any, Any, datasets.Dataset], data.Encoded]
 
@@ -106,8 +106,7 @@ def fingerprint(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: da
 def processes_for(rows: int) -> int:
     """Encoding processes: the cores this process may use (RLHF_CPU_CORES caps them), for rows worth it."""
     cores = len(os.sched_getaffinity(0))
-    if os.environ.get("RLHF_CPU_CORES"):
-        cores = min(cores, int(os.environ["RLHF_CPU_CORES"]))
+    cores = min(cores, stage_environment().cpu_cores or cores)
     return max(1, min(cores, MAX_PROCESSES, rows // (PARALLEL_FROM_ROWS // 2))) if rows >= PARALLEL_FROM_ROWS else 1
 
 
@@ -140,7 +139,7 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
             data.check_dropped(probe.kind, np.flatnonzero(~fits).tolist(), len(fits), probe.reason)
         encoded = encoded.select(np.flatnonzero(fits))
     encoded = encoded.remove_columns("fits")
-    remove_unused(directory, float(os.environ.get("RLHF_EXAMPLE_CACHE_DAYS", DEFAULT_CACHE_DAYS)) * 86_400)
+    remove_unused(directory, stage_environment().example_cache_days * 86_400)
     peak = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return Preparation(ExampleRows(encoded), len(rows), time.perf_counter() - started, cached, processes,
                        peak / 2**20)

@@ -18,6 +18,8 @@ from stages import data, prepared
 from stages.cli import parse_stage_args
 from stages.data import DataValidationError
 from stages.dpo import train as dpo
+from stages.environment import stage_environment
+from stages.errors import StageInputError
 from stages.kto import train as kto
 from stages.registry import STAGES
 from stages.reward_model import train as reward_model
@@ -216,3 +218,19 @@ def test_the_other_ranks_wait_for_the_first_rank_however_long_it_prepares(tmp_pa
                               " examples were dropped")
     else:
         assert dict(results) == {0: 3, 1: 3}
+
+
+
+@pytest.mark.parametrize(("variable", "value", "why"), [("RLHF_CPU_CORES", "2.5", "valid integer"),
+                                                         ("RLHF_CPU_CORES", "0", "greater than or equal to 1"),
+                                                         ("RLHF_EXAMPLE_CACHE_DAYS", "a week", "valid number")])
+def test_a_bad_environment_value_stops_the_stage_naming_the_variable(variable, value, why, monkeypatch):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(StageInputError, match=rf"{variable}='{value}': .*{why}"):
+        stage_environment()
+    monkeypatch.delenv(variable)
+    monkeypatch.setenv("RLHF_CPU_CORES", "")  # empty: unset
+    assert prepared.processes_for(prepared.PARALLEL_FROM_ROWS * 64) == min(len(os.sched_getaffinity(0)),
+                                                                           prepared.MAX_PROCESSES)
+    monkeypatch.setenv("RLHF_CPU_CORES", "1")
+    assert prepared.processes_for(prepared.PARALLEL_FROM_ROWS * 64) == 1
