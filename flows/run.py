@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -26,16 +27,26 @@ from stages.config import ConfigError, preset_names
 DEFAULT_REHEARSAL_ROOT = "./artifacts/rehearsal"
 
 
-def metrics_table(result: PipelineResult) -> str:
-    """One row per stage: version, whether it was reused, digest and its metrics."""
-    lines = [f"{'stage':<13} {'version':<8} {'':<7} {'digest':<13} metrics"]
+def headline_metrics(metrics: dict) -> dict:
+    """The metrics a summary shows: not the grouped ones (`suite/...`, `seconds/...`, `startup/...`) nor the
+    confidence bounds (`..._low`, `..._high`); the manifest and the evaluation report hold them all."""
+    return {name: value for name, value in sorted(metrics.items())
+            if "/" not in name and not name.endswith(("_low", "_high"))}
+
+
+def metrics_table(result: PipelineResult, width: int = 120) -> str:
+    """One row per stage: version, whether it was reused, digest and its headline metrics (wrapped to `width`)."""
+    lead = f"{'stage':<13} {'version':<8} {'':<7} {'digest':<13} "
+    lines = [lead + "metrics"]
     for stage, artifact in result.stages.items():
         metrics = ", ".join(
             f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-            for name, value in sorted(artifact.metrics.items())
+            for name, value in headline_metrics(artifact.metrics).items()
         )
         reused = "reused" if artifact.reused else "trained" if stage != "evaluate" else "ran"
-        lines.append(f"{stage:<13} v{artifact.version:<7} {reused:<7} {artifact.digest[:12]:<13} {metrics}")
+        row = f"{stage:<13} v{artifact.version:<7} {reused:<7} {artifact.digest[:12]:<13} "
+        lines += textwrap.wrap(metrics, width, initial_indent=row, subsequent_indent=" " * len(lead),
+                               break_on_hyphens=False) or [row]
     return "\n".join(lines)
 
 

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import s3fs
 import yaml
 
+from flows.run import metrics_table
 from pipeline.config import (
     PIPELINE_SHAPES,
     POLICY_STAGES,
@@ -28,10 +30,9 @@ from pipeline.config import (
     shape_inputs,
 )
 from pipeline.gate import check_gate
-from pipeline.plan import check_gate_sample
 from pipeline.identity import stage_identity
 from pipeline.memory import CONTEXT_BYTES, GIB, ModelShape, frozen_memory, rl_memory, trained_memory
-from pipeline.plan import ClusterResources, _check_fit, ray_request
+from pipeline.plan import ClusterResources, _check_fit, check_gate_sample, ray_request
 from pipeline.rehearsal import build_stand_ins, rehearse_pipeline, swap_table
 from stages.cli import parse_stage_args
 from stages.config import ConfigError
@@ -477,3 +478,21 @@ def test_the_math_reward_checks_final_answers():
     assert module.reward_func(queries, [q.split("A:")[0] + "A:" for q in queries], labels) == [1.0, 1.0, 1.0, 0.0]
     # Where math-verify parses nothing, the text comparison stands in.
     assert module.is_correct("Answer: (b)", "(b)") and not module.is_correct("Answer: (c)", "(b)")
+
+
+def test_the_run_summary_shows_each_stage_headline_metrics_within_the_terminal_width():
+    evaluation = {"accuracy": 0.78, "accuracy_gain_vs_reference": 0.755, "accuracy_gain_vs_reference_low": 0.695,
+                  "accuracy_gain_vs_reference_high": 0.815, "gsm8k/accuracy": 0.78, "math/pass4": 0.94, "kl_mean": 0.45,
+                  "prompts": 200, "reference_accuracy": 0.025, "reward_mean": 2.567, "win_rate_vs_reference": 0.8775,
+                  **{f"reference_{name}": 0.5 for name in ("maj4", "pass1", "pass4", "reward_mean", "response_length")}}
+    training = {"eval_loss": 0.1731, "seconds/step": 12.08, "startup/imports": 2.59, "steps": 225}
+    result = SimpleNamespace(stages={
+        "sft": SimpleNamespace(metrics=training, reused=True, version=1, digest="91aac95585c1" * 4),
+        "evaluate": SimpleNamespace(metrics=evaluation, reused=False, version=3, digest="374cf9f85fd1" * 4)})
+    table = metrics_table(result, width=100).splitlines()
+    assert all(len(line) <= 100 for line in table), table
+    assert table[1].split()[:4] == ["sft", "v1", "reused", "91aac95585c1"] and table[1].endswith("steps=225")
+    assert table[2].split()[:4] == ["evaluate", "v3", "ran", "374cf9f85fd1"] and len(table) > 3  # wrapped
+    shown = " ".join(table)
+    assert "eval_loss=0.1731" in shown and "kl_mean=0.45" in shown and "win_rate_vs_reference=0.8775" in shown
+    assert not any(hidden in shown for hidden in ("/", "_low=", "_high=")), shown
