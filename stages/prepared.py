@@ -145,6 +145,13 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
                        peak / 2**20)
 
 
+def prepare_prompts(cfg, tokenizer, rows: datasets.Dataset, *, stage: str, what: str = "prompts") -> ExampleRows:
+    """Prompt rows (the RL stage's, the evaluation's) as examples, prepared in this process, its summary printed."""
+    preparation = prepare(data.encode_prompt_rows, cfg, data.PROMPT_FIELDS, tokenizer, rows, what=what)
+    print(f"[{stage}] {preparation.summary(what)}", flush=True)
+    return preparation.examples
+
+
 def remove_unused(directory: Path, older_than_s: float) -> None:
     """Remove the cache's files not used for `older_than_s` seconds (a reader that has one open keeps its data)."""
     cutoff = time.time() - older_than_s

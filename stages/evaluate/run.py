@@ -301,10 +301,8 @@ def run(cfg) -> dict[str, Any]:
         rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
                                  validate=cfg.validate_rows)
         # Cached as the RL stage's prompts are; answered whole, so read whole.
-        preparation = prepared.prepare(data.encode_prompt_rows, cfg, data.PROMPT_FIELDS, tokenizer, rows,
-                                       what="prompts")
-        print(f"[evaluate] {preparation.summary('prompts')}", flush=True)
-        prompt_sets.append(PromptSet("", "prompts", list(preparation.examples), cfg.eval_n_samples_per_prompt))
+        examples = prepared.prepare_prompts(cfg, tokenizer, rows, stage="evaluate")
+        prompt_sets.append(PromptSet("", "prompts", list(examples), cfg.eval_n_samples_per_prompt))
     for benchmark in cfg.eval_suite or []:
         prompt_sets.append(PromptSet(benchmark.name, benchmark.format, benchmark_prompts(benchmark, cfg, tokenizer),
                                      benchmark.n_samples))

@@ -710,9 +710,7 @@ def load_prompts(cfg: RLConfig) -> tuple[ExampleRows, list[dict], Any, Any]:
     tokenizer = load_tokenizer(cfg.pretrain)
 
     def prepare(rows, what: str) -> ExampleRows:
-        preparation = prepared.prepare(data.encode_prompt_rows, cfg, data.PROMPT_FIELDS, tokenizer, rows, what=what)
-        print(f"[rl] {preparation.summary(what)}", flush=True)
-        return preparation.examples
+        return prepared.prepare_prompts(cfg, tokenizer, rows, stage="rl", what=what)
 
     rows = data.load_mixture(cfg.prompt_data, split=cfg.prompt_split, max_samples=cfg.max_samples,
                              probabilities=cfg.prompt_data_probabilities, seed=cfg.seed, validate=validate)
