@@ -48,6 +48,7 @@ from stages.fields import Dataset, Launcher, ModelPath, Output, RewardSource, fi
 from stages.fingerprint import (
     HubUnavailable,
     dataset_fingerprint,
+    hub_file,
     mixture_parts,
     pin_hub_model,
     pin_hub_revision,
@@ -442,10 +443,8 @@ def model_shape(source: str) -> ModelShape:
         with fsspec.open(f"{source.rstrip('/')}/config.json", "r") as handle:
             text = handle.read()
     else:
-        from huggingface_hub import hf_hub_download
-
         name, revision = split_revision(source)
-        text = Path(hf_hub_download(name, "config.json", revision=revision)).read_text()
+        text = hub_file(name, "config.json", revision).read_text()
     return ModelShape.from_config(json.loads(text))
 
 

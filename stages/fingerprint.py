@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from functools import cache
 from pathlib import Path
 
@@ -26,6 +27,8 @@ LARGE_FILE_BYTES = 256 * 2**20
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 HUB_TIMEOUT_S = 10.0
 HUB_RETRY_S = 4.0  # three look-ups, 1 s and 2 s apart: a hub blip passes, a machine without the hub fails fast
+# A hub that did not answer is not asked again this soon: a plan of eight hub names waits once, not eight times.
+HUB_DOWN_MEMORY_S = 60.0
 # "path@split" or "org/name@validation[:100]" (the same suffix stages.data.load_rows accepts)
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
 # "org/name#<revision>": a hub dataset pinned to a revision of its repository
@@ -38,6 +41,45 @@ logger = logging.getLogger(__name__)
 class HubUnavailable(SourceUnavailable):
     """The hub did not tell a dataset's or a model's revision (no network, an outage): the run cannot pin what it
     would read."""
+
+
+_hub_down: dict[str, tuple[float, str]] = {}  # endpoint -> (when, what failed) of its last unanswered request
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def hub_down() -> str | None:
+    """What failed when the hub (HF_ENDPOINT) last did not answer, if that was under HUB_DOWN_MEMORY_S ago."""
+    seen = _hub_down.get(_hub_endpoint())
+    return seen[1] if seen and time.monotonic() - seen[0] < HUB_DOWN_MEMORY_S else None
+
+
+def _note_hub_down(what: str) -> None:
+    _hub_down[_hub_endpoint()] = (time.monotonic(), what)
+
+
+def hub_file(name: str, filename: str, revision: str | None = None, kind: str = "model") -> Path:
+    """A file of hub repository `name`: from the local hub cache when it is there, else downloaded. HubUnavailable
+    when the hub does not answer (or did not a moment ago) and the cache does not hold it."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_type = "dataset" if kind == "dataset" else None
+    try:
+        return Path(hf_hub_download(name, filename, revision=revision, repo_type=repo_type, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if why := hub_down():
+        raise HubUnavailable(f"hub {kind} {name}: {filename} not fetched: the hub did not answer {why} a moment ago")
+    try:
+        return Path(hf_hub_download(name, filename, revision=revision, repo_type=repo_type))
+    except LocalEntryNotFoundError as error:  # the hub could not be reached, and nothing is cached
+        _note_hub_down(f"the download of {filename} of hub {kind} {name}")
+        raise HubUnavailable(f"hub {kind} {name}: {filename}: the hub cannot be reached ({error})") from error
 
 
 def mixture_parts(source: str) -> list[str]:
@@ -164,6 +206,8 @@ def hub_revision(name: str, kind: str = "dataset") -> str:
     offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if kind == "dataset" else ("HF_HUB_OFFLINE",)
     if any(os.environ.get(variable) == "1" for variable in offline):
         raise HubUnavailable(f"hub {kind} {name}: its revision cannot be looked up offline ({offline[0]})")
+    if why := hub_down():
+        raise HubUnavailable(f"hub {kind} {name}: not looked up: the hub did not answer {why} a moment ago")
     from huggingface_hub import HfApi
 
     info = HfApi().dataset_info if kind == "dataset" else HfApi().model_info
@@ -171,6 +215,7 @@ def hub_revision(name: str, kind: str = "dataset") -> str:
         return retrying(f"revision look-up of hub {kind} {name}", lambda: info(name, timeout=HUB_TIMEOUT_S).sha,
                         HUB_RETRY_S, logger.warning)
     except StoreUnreachable as error:
+        _note_hub_down(f"the look-up of hub {kind} {name}")
         raise HubUnavailable(f"hub {kind} {name}: {error}") from error
     except OSError as error:  # the hub answered: no such repository, no access
         raise StageInputError(f"hub {kind} {name}: {type(error).__name__}: {error}") from error

@@ -43,6 +43,18 @@ try:
         config.sft.pretrain = config.reward_model.pretrain = source
         pinned, unpinned = pin_hub_sources(config, [], [], must_pin=True)
         print(pinned.sft.pretrain, pinned.reward_model.pretrain)
+    elif operation == "plan hub down":
+        from pipeline.config import load_pipeline_config
+        from pipeline.plan import model_shape, pin_hub_sources
+        config = load_pipeline_config("tiny").model_copy(deep=True)
+        config.sft.pretrain, config.sft.dataset, config.reward_model.dataset = source, "org/sft", "org/prefs"
+        notes = []
+        pin_hub_sources(config, [], notes, must_pin=False)
+        try:
+            model_shape(source)
+        except Exception as error:
+            notes.append(f"{type(error).__name__}: {error}")
+        print("\\n".join(notes))
     elif operation == "load model":
         from stages.model_io import load_tokenizer, resolve_model_path
         from transformers import AutoModelForCausalLM
@@ -176,6 +188,18 @@ def test_a_hub_revision_look_up_is_retried_and_pins_the_revision(hub, tmp_path, 
 def test_the_plan_pins_the_first_stages_hub_model_and_leaves_the_ones_earlier_stages_fill(hub, tmp_path):
     planned = run_on_hub(hub, tmp_path, "plan pins", "org/policy")  # sft.pretrain, reward_model.pretrain
     assert planned.stdout.split() == [f"org/policy#{HUB_REVISION}", "org/policy"], planned.stdout + planned.stderr
+
+
+def test_a_hub_that_does_not_answer_is_waited_for_once_per_plan_not_once_per_name(hub, tmp_path):
+    hub.fail(503)
+    done = run_on_hub(hub, tmp_path, "plan hub down", "org/policy")
+    out = done.stdout
+    assert out.startswith("sft.dataset: hub dataset org/sft: revision look-up"), out + done.stderr
+    after = "the hub did not answer the look-up of hub dataset org/sft a moment ago"
+    assert f"\nsft.pretrain: hub model org/policy: not looked up: {after}" in out
+    assert f"\nreward_model.dataset: hub dataset org/prefs: not looked up: {after}" in out
+    assert f"\nHubUnavailable: hub model org/policy: config.json not fetched: {after}\n" in out
+    assert hub.failed <= 3  # the first name's tries (HUB_RETRY_S), none for the other three
 
 
 def test_a_pinned_hub_model_loads_that_revision_from_the_hub_cache_offline(hub, assets, tmp_path):
