@@ -27,8 +27,9 @@ class StageEnvironment(BaseSettings):
         "own (RLHF_EXAMPLE_CACHE_DAYS).",
     )
     cache_dir: Path = Field(
-        Path.home() / ".cache" / "rlhf-models",
-        description="Where s3:// models are downloaded (RLHF_CACHE_DIR).",
+        default_factory=lambda: Path.home() / ".cache" / "rlhf-models",
+        description="Where s3:// models are downloaded; unset = ~/.cache/rlhf-models of the user the stage runs as "
+        "(RLHF_CACHE_DIR).",
     )
 
 
