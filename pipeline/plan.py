@@ -49,6 +49,7 @@ from stages.fingerprint import (
     HubUnavailable,
     dataset_fingerprint,
     hub_file,
+    hub_outage_remembered,
     mixture_parts,
     pin_hub_model,
     pin_hub_revision,
@@ -256,6 +257,7 @@ def check_datasets(stage: str, cfg: StageConfig, problems: list[str]) -> list[Da
 
 # ---------------------------------------------------------------------------------------------- the plan
 
+@hub_outage_remembered()
 def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | None, *, artifact_root: str,
                local_binding: bool = False, log: Callable[[str], None] = print) -> Plan:  # fmt: skip
     """The plan of `config` (prepared first: tiny assets built and filled in) against the cluster at

@@ -17,7 +17,9 @@ import hashlib
 import logging
 import os
 import re
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 from pathlib import Path
 
@@ -27,8 +29,6 @@ LARGE_FILE_BYTES = 256 * 2**20
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
 HUB_TIMEOUT_S = 10.0
 HUB_RETRY_S = 4.0  # three look-ups, 1 s and 2 s apart: a hub blip passes, a machine without the hub fails fast
-# A hub that did not answer is not asked again this soon: a plan of eight hub names waits once, not eight times.
-HUB_DOWN_MEMORY_S = 60.0
 # "path@split" or "org/name@validation[:100]" (the same suffix stages.data.load_rows accepts)
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
 # "org/name#<revision>": a hub dataset pinned to a revision of its repository
@@ -43,7 +43,8 @@ class HubUnavailable(SourceUnavailable):
     would read."""
 
 
-_hub_down: dict[str, tuple[float, str]] = {}  # endpoint -> (when, what failed) of its last unanswered request
+# Inside hub_outage_remembered: endpoint -> what did not get an answer from it.
+_hub_outage: ContextVar[dict[str, str] | None] = ContextVar("hub_outage", default=None)
 
 
 def _hub_endpoint() -> str:
@@ -52,14 +53,27 @@ def _hub_endpoint() -> str:
     return constants.ENDPOINT
 
 
+@contextmanager
+def hub_outage_remembered() -> Iterator[None]:
+    """Within it, a hub (HF_ENDPOINT) that did not answer is not asked again: a plan of eight hub names waits out
+    the look-up retries once, not eight times. Each use starts afresh, so a retried plan asks the hub again."""
+    token = _hub_outage.set({})
+    try:
+        yield
+    finally:
+        _hub_outage.reset(token)
+
+
 def hub_down() -> str | None:
-    """What failed when the hub (HF_ENDPOINT) last did not answer, if that was under HUB_DOWN_MEMORY_S ago."""
-    seen = _hub_down.get(_hub_endpoint())
-    return seen[1] if seen and time.monotonic() - seen[0] < HUB_DOWN_MEMORY_S else None
+    """What did not get an answer from the hub, within hub_outage_remembered; None elsewhere."""
+    seen = _hub_outage.get()
+    return seen.get(_hub_endpoint()) if seen is not None else None
 
 
 def _note_hub_down(what: str) -> None:
-    _hub_down[_hub_endpoint()] = (time.monotonic(), what)
+    seen = _hub_outage.get()
+    if seen is not None:
+        seen[_hub_endpoint()] = what
 
 
 def hub_file(name: str, filename: str, revision: str | None = None, kind: str = "model") -> Path:
