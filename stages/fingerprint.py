@@ -76,24 +76,23 @@ def _note_hub_down(what: str) -> None:
         seen[_hub_endpoint()] = what
 
 
-def hub_file(name: str, filename: str, revision: str | None = None, kind: str = "model") -> Path:
-    """A file of hub repository `name`: from the local hub cache when it is there, else downloaded. HubUnavailable
-    when the hub does not answer (or did not a moment ago) and the cache does not hold it."""
+def hub_file(name: str, filename: str, revision: str | None = None) -> Path:
+    """A file of hub model `name`: from the local hub cache when it is there, else downloaded. HubUnavailable when
+    the hub does not answer (or did not a moment ago) and the cache does not hold it."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    repo_type = "dataset" if kind == "dataset" else None
     try:
-        return Path(hf_hub_download(name, filename, revision=revision, repo_type=repo_type, local_files_only=True))
+        return Path(hf_hub_download(name, filename, revision=revision, local_files_only=True))
     except LocalEntryNotFoundError:
         pass
     if why := hub_down():
-        raise HubUnavailable(f"hub {kind} {name}: {filename} not fetched: the hub did not answer {why} a moment ago")
+        raise HubUnavailable(f"hub model {name}: {filename} not fetched: the hub did not answer {why} a moment ago")
     try:
-        return Path(hf_hub_download(name, filename, revision=revision, repo_type=repo_type))
+        return Path(hf_hub_download(name, filename, revision=revision))
     except LocalEntryNotFoundError as error:  # the hub could not be reached, and nothing is cached
-        _note_hub_down(f"the download of {filename} of hub {kind} {name}")
-        raise HubUnavailable(f"hub {kind} {name}: {filename}: the hub cannot be reached ({error})") from error
+        _note_hub_down(f"the download of {filename} of hub model {name}")
+        raise HubUnavailable(f"hub model {name}: {filename}: the hub cannot be reached ({error})") from error
 
 
 def mixture_parts(source: str) -> list[str]:
