@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -64,6 +65,9 @@ REPEATED_NOISE = {
     # runs its own without it.
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
 }
+# Third-party Python warnings of the same kind, by message: DeepSpeed's ZeRO gathers with a collective that torch
+# 2.13 deprecates, and each rank of every stage printed it.
+REPEATED_WARNINGS = (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",)
 
 
 class _DropMessage(logging.Filter):
@@ -88,6 +92,8 @@ def silence_known_noise() -> None:
         transformers_logging.disable_progress_bar()
     for name, text in REPEATED_NOISE.items():
         logging.getLogger(name).addFilter(_DropMessage(text))
+    for message in REPEATED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def phase_seconds(records: list[dict[str, Any]]) -> dict[str, float]:
