@@ -71,6 +71,8 @@ def test_gpu_only_flags_say_once_that_they_cannot_act_on_cpu():
     assert all("has no effect on CPU: " in note for note in notes)
     quiet = cfg.model_copy(update={name: role.cpu_value for name, role in fields_with(type(cfg), GpuOnly).items()})
     assert cpu_notes(quiet) == []
+    for stage, cls in STAGES.items():  # the CPU preset sets no flag that a CPU run would have to explain
+        assert cpu_notes(parse_stage_args(cls, ["--config", "tiny"], require_inputs=False)) == [], stage
 
 
 # ---------------------------------------------------------------------------------------------- code versions
