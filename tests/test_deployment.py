@@ -65,8 +65,10 @@ pytestmark = pytest.mark.slow
 OUTAGE_S = 30
 AUDIT_MARKER = "RLHF_TEST_RUN_MARKER"  # every process of the run inherits it; the socket audit looks for it
 ZOMBIE_AFTER_S = 45  # heartbeats come every 30 s (prefect.yaml); the minimum Prefect allows
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+# --disable-dev-shm-usage: a container's /dev/shm is often 64 MiB, and Ray's object store shares it; a page that
+# cannot map its memory there crashes and never draws.
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1400,1100")  # fmt: skip
 
 
@@ -227,15 +229,38 @@ def chromium():
     return webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
 
 
+PAGE_WAIT_S = 120  # a run page takes 5-10 s here, 30 s with the cores busy; more on a slower, loaded machine
+PAGE_LOADS = 3
+
+
+def open_page(browser, url: str, condition, what: str):
+    """Open `url` and wait for `condition` (what a person waits to see), loading the page again when it does not
+    show within PAGE_WAIT_S (a request the UI lost on a loaded machine); returns what the condition returns. Gives
+    up naming what it waited for and what the page showed instead."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    for load in range(PAGE_LOADS):
+        try:
+            browser.get(url) if load == 0 else browser.refresh()
+            return WebDriverWait(browser, PAGE_WAIT_S).until(condition)
+        except TimeoutException:
+            pass
+    shown = " ".join(browser.find_element(By.TAG_NAME, "body").text.split())
+    raise AssertionError(f"{what} not shown at {url} in {PAGE_LOADS} loads of {PAGE_WAIT_S} s; the page shows: "
+                         f"{shown[:400]!r}")
+
+
 def click_retry(browser, run_url: str) -> None:
     """What a person does: open the run, click Retry, confirm in the dialog."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(run_url)
-    wait = WebDriverWait(browser, 60)
-    wait.until(ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Retry']"))).click()
+    open_page(browser, run_url, ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Retry']")),
+              "the Retry button").click()
+    wait = WebDriverWait(browser, PAGE_WAIT_S)
     dialog = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
     assert "Retry" in dialog.text
     dialog.find_element(By.XPATH, ".//button[normalize-space()='Retry']").click()
@@ -252,10 +277,9 @@ def leave_page(browser) -> None:
 def rendered_images(browser, url: str, path: Path) -> list[tuple[str, int]]:
     """(start of src, natural width) of every image the page at `url` shows once rendered; a screenshot to `path`."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(url)
-    WebDriverWait(browser, 60).until(lambda b: b.find_elements(By.CSS_SELECTOR, "img[src^='data:image/png']"))
+    open_page(browser, url, lambda b: b.find_elements(By.CSS_SELECTOR, "img[src^='data:image/png']"),
+              "an image of the report")
     time.sleep(2)  # let it decode and draw
     browser.save_screenshot(str(path))
     return browser.execute_script("return Array.from(document.images).map(i => [i.src.slice(0, 22), i.naturalWidth])")
@@ -264,10 +288,9 @@ def rendered_images(browser, url: str, path: Path) -> list[tuple[str, int]]:
 def screenshot_completed(browser, run_url: str, path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(run_url)
-    WebDriverWait(browser, 60).until(ec.text_to_be_present_in_element((By.TAG_NAME, "body"), "Completed"))
+    open_page(browser, run_url, ec.text_to_be_present_in_element((By.TAG_NAME, "body"), "Completed"),
+              "the Completed state")
     time.sleep(2)  # let the timeline draw
     browser.save_screenshot(str(path))
 
@@ -657,9 +680,9 @@ def approve_in_browser(browser, run_url: str, comment: str) -> str:
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(run_url)
-    wait = WebDriverWait(browser, 120)  # the run page of a loaded 2-core machine can take a minute
-    wait.until(ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Resume']"))).click()
+    open_page(browser, run_url, ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Resume']")),
+              "the Resume button").click()
+    wait = WebDriverWait(browser, PAGE_WAIT_S)
     form = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
     text = form.text
     form.find_element(By.CSS_SELECTOR, "[role='switch']").click()
