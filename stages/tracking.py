@@ -83,9 +83,13 @@ def silence_known_noise() -> None:
     """Keep job logs readable: vLLM at WARNING (its INFO lines repeat with every weight update), no loading
     progress bars, and the known per-step warnings above dropped where they are emitted."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # transformers reads this when it is imported; one imported already is told directly (importing it here
-    # would cost every stage process a second before it needs it).
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # huggingface_hub reads this when it is imported, and transformers asks it when transformers is imported; a
+    # module imported already is told directly (a rank actor has imported huggingface_hub by now; importing
+    # transformers here would cost every stage process a second before it needs it).
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     if "transformers" in sys.modules:
         from transformers.utils import logging as transformers_logging
 
@@ -94,6 +98,27 @@ def silence_known_noise() -> None:
         logging.getLogger(name).addFilter(_DropMessage(text))
     for message in REPEATED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
+@contextmanager
+def quiet_model_files() -> Iterator[None]:
+    """Loading or writing a model outside a stage (the tiny assets, in the flow's own process), without the lines
+    that would open a run's output there: DeepSpeed's note that it picked the CPU (transformers imports DeepSpeed
+    whenever it is installed) and transformers' progress bar. Leaves the environment alone: the Ray head that
+    process starts, and every stage under it, inherit it."""
+    accelerator_note = _DropMessage("Setting accelerator to CPU")
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    deepspeed_logger.addFilter(accelerator_note)
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        deepspeed_logger.removeFilter(accelerator_note)
+        if bars:
+            transformers_logging.enable_progress_bar()
 
 
 def phase_seconds(records: list[dict[str, Any]]) -> dict[str, float]:
