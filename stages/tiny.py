@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stages.tracking import quiet_model_files
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -201,9 +203,13 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, shape: TinyModelShape =
                      moe: bool = False) -> Path:
     """Write a randomly initialised LlamaForCausalLM and its tokenizer (HF format, safetensors) into out_dir; with
     `moe` a MixtralForCausalLM of the same shape, each MLP a mixture of TINY_EXPERTS experts (TINY_TOP_K per token)."""
+    with quiet_model_files():
+        return _write_tiny_model(Path(out_dir), seed, shape, moe)
+
+
+def _write_tiny_model(out: Path, seed: int, shape: TinyModelShape, moe: bool) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(shape.vocab_size)
     config_cls, model_cls = (MixtralConfig, MixtralForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
