@@ -136,6 +136,12 @@ class PrefectStack:
             with get_client(sync_client=True) as client:
                 yield client
 
+    def result(self, run: FlowRun):
+        """A finished run's result. Reading it asks the server for its default result storage: outside this
+        server's settings Prefect would start a temporary server in the test process for that, kept until exit."""
+        with temporary_settings(updates={PREFECT_API_URL: f"{self.url}/api"}):
+            return run.state.result()
+
     def run_deployment(self, name: str, parameters: dict) -> FlowRun:
         with self.client() as client:
             deployment = client.read_deployment_by_name(name)

@@ -415,7 +415,7 @@ def operated_run(stack, moto_s3, tmp_path_factory, test_output_dir):
 
         completed = stack.wait_for(run.id, {StateType.COMPLETED}, timeout_s=1200, logs=worker_log)
         record["completed"] = completed
-        record["result"] = completed.state.result()
+        record["result"] = stack.result(completed)
         record["screenshot"] = test_output_dir / "ui-retry-completed-run.png"
         if browser is not None:
             screenshot_completed(browser, run_url, record["screenshot"])
@@ -728,6 +728,7 @@ def approval_runs(stack, tmp_path_factory, test_output_dir):
             with stack.client() as client:
                 record["states"] = {name: [s.name for s in client.read_flow_run_states(record[name].id)]
                                     for name in ("approved", "timed_out")}  # fmt: skip
+            record["decisions"] = {name: stack.result(record[name]).promotion for name in ("approved", "timed_out")}
         finally:
             browser.quit()
             stop_process(worker)
@@ -735,7 +736,7 @@ def approval_runs(stack, tmp_path_factory, test_output_dir):
 
 
 def test_a_paused_night_is_approved_in_the_browser_and_promoted(approval_runs):
-    decision = approval_runs["approved"].state.result().promotion
+    decision = approval_runs["decisions"]["approved"]
     assert "Paused" in approval_runs["states"]["approved"]
     assert "Approve rl v1 for production?" in approval_runs["form"] and "evaluation report" in approval_runs["form"]
     assert decision.promoted and decision.approval == "approved: held-out answers look right"
@@ -743,7 +744,7 @@ def test_a_paused_night_is_approved_in_the_browser_and_promoted(approval_runs):
 
 
 def test_a_night_nobody_approves_is_rejected_when_its_approval_times_out(approval_runs):
-    decision = approval_runs["timed_out"].state.result().promotion
+    decision = approval_runs["decisions"]["timed_out"]
     # Rejected by the run's own deadline before the server's pause timeout: never a Failed state on the way, which
     # would alert whoever watches the deployment's failures.
     assert "Paused" in approval_runs["states"]["timed_out"] and "Failed" not in approval_runs["states"]["timed_out"]
