@@ -24,7 +24,8 @@ import inspect
 import os
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ PREPARED_FORMAT = 1  # the layout of the files; a change makes every cached prep
 BATCH_ROWS = 1_000  # rows encoded at a time by one process: its memory, whatever the dataset's size
 PARALLEL_FROM_ROWS = 20_000  # fewer rows encode faster in this process than worker processes start
 MAX_PROCESSES = 32
+BAR_FROM_ROWS = 5_000  # fewer rows tokenize in seconds: the summary line says it all, a progress bar fills the log
 
 Encoder = Callable[[Any, Any, datasets.Dataset], data.Encoded]
 
@@ -126,11 +128,12 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
     if cached:
         for shard in shards:
             os.utime(shard)  # used now: kept for another RLHF_EXAMPLE_CACHE_DAYS
-    encoded = rows.map(
-        _encode_batch, fn_kwargs={"encode": encode, "cfg": cfg, "tokenizer": tokenizer, "features": rows.features},
-        batched=True, batch_size=BATCH_ROWS, remove_columns=rows.column_names, num_proc=None if processes == 1
-        else processes, cache_file_name=str(path), new_fingerprint=key, desc=f"tokenizing {what}",
-    )
+    with _progress_bar(shown=len(rows) >= BAR_FROM_ROWS):
+        encoded = rows.map(
+            _encode_batch, fn_kwargs={"encode": encode, "cfg": cfg, "tokenizer": tokenizer, "features": rows.features},
+            batched=True, batch_size=BATCH_ROWS, remove_columns=rows.column_names, num_proc=None if processes == 1
+            else processes, cache_file_name=str(path), new_fingerprint=key, desc=f"tokenizing {what}",
+        )
     fits = encoded.data.column("fits").to_numpy()  # the map's own table: no index mapping over it
     if not fits.all():
         if report:
@@ -161,6 +164,21 @@ def remove_unused(directory: Path, older_than_s: float) -> None:
                 path.unlink()
         except FileNotFoundError:  # removed by another stage meanwhile
             pass
+
+
+@contextmanager
+def _progress_bar(shown: bool) -> Iterator[None]:
+    """datasets' progress bar for what runs inside, unless `shown` is False (or bars are off already)."""
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if shown or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
 
 
 def _encode_batch(batch: dict[str, list], *, encode: Encoder, cfg, tokenizer, features) -> dict[str, list]:

@@ -124,6 +124,19 @@ def test_the_same_rows_read_the_cache_and_a_changed_row_encodes_again(assets, to
                    tokenizer, data.load_rows(str(path))).cached
 
 
+def test_a_progress_bar_only_for_rows_that_take_a_while(assets, tokenizer, small_chunks, monkeypatch, capfd):
+    """A few thousand rows tokenize in seconds: their summary line is enough; more show datasets' bar."""
+    from datasets.utils import are_progress_bars_disabled
+
+    monkeypatch.setattr(prepared, "BAR_FROM_ROWS", 30)
+    cfg = config("reward_model", assets["pref_train"])
+    prepare(reward_model, cfg, tokenizer, data.load_rows(str(assets["pref_train"]), max_samples=29))
+    assert "tokenizing examples" not in capfd.readouterr().err
+    assert not are_progress_bars_disabled()  # as they were, for the stage's other work
+    prepare(reward_model, cfg, tokenizer, data.load_rows(str(assets["pref_train"]), max_samples=30))
+    assert "tokenizing examples" in capfd.readouterr().err
+
+
 def test_rows_dropped_past_the_first_chunk_are_named_by_their_row(assets, tokenizer, small_chunks, tmp_path, caplog):
     rows = [json.loads(line) for line in assets["sft_train"].read_text().splitlines()][:30]
     for row in (12, 25):
