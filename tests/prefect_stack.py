@@ -130,16 +130,19 @@ class PrefectStack:
     def start_worker(self, name: str, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         return self.start(name, "worker", "start", "--pool", POOL, env=env)
 
+    def settings(self):
+        """Prefect's settings for talking to this server from the test process: outside them any call that needs
+        an API (a client, reading a result's storage) starts a temporary server in this process, kept until exit."""
+        return temporary_settings(updates={PREFECT_API_URL: f"{self.url}/api"})
+
     @contextmanager
     def client(self):
-        with temporary_settings(updates={PREFECT_API_URL: f"{self.url}/api"}):
-            with get_client(sync_client=True) as client:
-                yield client
+        with self.settings(), get_client(sync_client=True) as client:
+            yield client
 
     def result(self, run: FlowRun):
-        """A finished run's result. Reading it asks the server for its default result storage: outside this
-        server's settings Prefect would start a temporary server in the test process for that, kept until exit."""
-        with temporary_settings(updates={PREFECT_API_URL: f"{self.url}/api"}):
+        """A finished run's result (reading it asks the server for its default result storage)."""
+        with self.settings():
             return run.state.result()
 
     def run_deployment(self, name: str, parameters: dict) -> FlowRun:
