@@ -612,47 +612,128 @@ def _conversation_segments(tokenizer: PreTrainedTokenizerBase, messages: list[di
 # -------------------------------------------------------------------------------------------------- examples
 
 
-def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special_tokens: bool) -> list[list[int]]:
-    """Token ids of each text, as `tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]`.
+def token_ids(tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special_tokens: bool,
+              limits: list[int] | None = None) -> list[list[int]]:
+    """Token ids of each text, as `tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]`; with `limits`,
+    the first limits[i] of them (the whole encoding when it is shorter). A text that occurs several times is encoded
+    once (a preference pair's prompt, for its chosen and its rejected side).
 
     A fast tokenizer's Rust batch encoder is called directly: the same ids without the per-text dicts (attention
     masks, ...) the wrapper builds, about a quarter of the encoding time. The wrapper runs when the backend is set
     to truncate, pad or split special tokens otherwise than the wrapper would (it resets that first)."""
     if not texts:
         return []
+    limits = limits or [WHOLE] * len(texts)
+    most: dict[str, int] = {}
+    for text, limit in zip(texts, limits):
+        most[text] = max(most.get(text, 0), limit)
+    unique = list(most)
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if (backend is None or backend.truncation is not None or backend.padding is not None
             or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False))):
-        return tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
-    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=special_tokens)]
+        encoded = tokenizer(unique, add_special_tokens=special_tokens)["input_ids"]
+    elif all(limit == WHOLE for limit in most.values()) or not _splits_words(backend):
+        encoded = [encoding.ids for encoding in backend.encode_batch(unique, add_special_tokens=special_tokens)]
+    else:
+        encoded = _leading_ids(backend, unique, [most[text] for text in unique], special_tokens)
+    by_text = dict(zip(unique, encoded))
+    return [by_text[text][:limit] for text, limit in zip(texts, limits)]
+
+
+WHOLE = 2**62  # a limit that keeps every token
+CUT_FROM_SHARE = 0.75  # a text is cut only where that leaves out a quarter of it or more: else encoded whole
+CUT_MARGIN = 1.25  # characters cut beyond the estimate of those the wanted tokens cover, as a share of it ...
+CUT_SLACK_CHARS = 64  # ... plus these: the two words that do not count, and texts denser than the estimate
+CALIBRATION_TEXTS = 8  # long texts encoded whole to measure the characters per token when no short one tells
+
+
+def _leading_ids(backend, texts: list[str], limits: list[int], special_tokens: bool) -> list[list[int]]:
+    """The first limits[i] token ids of each text (all when fewer), encoding a long text only as far as they need.
+
+    A pre-tokenizer splits a text into words that the model encodes one at a time, and the words of a text cut at a
+    word boundary are the whole text's words but for the last ones (cut or followed by other characters). So a cut
+    text's tokens up to the one before its last two words are the whole text's, and the cut is kept where its wanted
+    tokens all lie there; otherwise (too few characters, or a text that is one long word) the whole text is encoded.
+    The cut is placed from the characters per token of the texts encoded whole (short ones, or a few long ones)."""
+    encoded: list[list[int] | None] = [None] * len(texts)
+    chars = tokens = 0
+
+    def encode_whole(indices: list[int]) -> None:
+        nonlocal chars, tokens
+        for index, encoding in zip(indices, backend.encode_batch([texts[i] for i in indices],
+                                                                 add_special_tokens=special_tokens)):
+            ids = encoding.ids
+            encoded[index] = ids[: limits[index]]
+            chars, tokens = chars + len(texts[index]), tokens + len(ids)
+
+    long = [i for i, (text, limit) in enumerate(zip(texts, limits)) if len(text) * CUT_FROM_SHARE > limit]
+    short = sorted(set(range(len(texts))) - set(long))
+    encode_whole(short)
+    if tokens < 64 * CALIBRATION_TEXTS:
+        encode_whole(long[:CALIBRATION_TEXTS])
+        long = long[CALIBRATION_TEXTS:]
+    chars_per_token = chars / max(tokens, 1)
+    cuts = {i: _word_boundary(texts[i], int(limits[i] * chars_per_token * CUT_MARGIN) + CUT_SLACK_CHARS)
+            for i in long}
+    cut = [i for i in long if cuts[i] is not None and cuts[i] < len(texts[i]) * CUT_FROM_SHARE]
+    whole = sorted(set(long) - set(cut))
+    for index, encoding in zip(cut, backend.encode_batch([texts[i][: cuts[i]] for i in cut],
+                                                         add_special_tokens=special_tokens)):
+        limit, words = limits[index], encoding.word_ids
+        last_word = next((word for word in reversed(words) if word is not None), None)  # words only grow
+        if len(words) >= limit and words[limit - 1] is not None and words[limit - 1] <= last_word - 2:
+            encoded[index] = encoding.ids[:limit]
+        else:
+            whole.append(index)
+    encode_whole(whole)
+    return encoded
+
+
+_WORD_END = re.compile(r"(?<=\S)\s")
+
+
+def _word_boundary(text: str, at: int) -> int | None:
+    """The first position from `at` where whitespace follows a word (None within 256 characters: the text is not cut
+    inside a long word, a run of spaces or a special token)."""
+    found = _WORD_END.search(text, at, at + 256)
+    return found.start() if found else None
+
+
+def _splits_words(backend) -> bool:
+    """Whether the tokenizer's pre-tokenizer splits text into words (Llama 3's, Qwen's, GPT-2's do; a tokenizer that
+    encodes the whole text as one word cannot be cut, see `_leading_ids`)."""
+    words = backend.encode("one two three four", add_special_tokens=False).word_ids
+    return len({word for word in words if word is not None}) >= 4
 
 
 def _encode_pieces(tokenizer: PreTrainedTokenizerBase, rows: list[list[tuple[str, bool]]], *,
-                   special_tokens: bool, add_eos: bool = True) -> list[tuple[list[int], list[int]]]:
+                   special_tokens: bool, add_eos: bool = True,
+                   max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
     """Token ids and loss mask (1 = a target to predict) of each row's (text, trained) pieces.
 
     The first piece gets the tokenizer's special tokens (bos) when `special_tokens` (plain text; a rendered
     chat template already holds them). With `add_eos`, a row not ending in eos gets one, trained like the
-    piece before it: the model learns to stop.
+    piece before it: the model learns to stop. With `max_len`, a row's first max_len tokens, all a caller that cuts
+    there reads: the pieces past them are not encoded, and a long piece only as far as they need.
     """
     eos = tokenizer.eos_token_id  # read once: each read looks the token up in the vocabulary again
     if add_eos and eos is None:
         raise DataValidationError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end responses with")
-    firsts = [pieces[0][0] for pieces in rows if pieces]
-    rests = [text for pieces in rows for text, _ in pieces[1:]]
-    first_ids = iter(token_ids(tokenizer, firsts, special_tokens=special_tokens))
-    rest_ids = iter(token_ids(tokenizer, rests, special_tokens=False))
-    encoded = []
-    for pieces in rows:
-        ids, mask = [], []
-        for position, (_, trained) in enumerate(pieces):
-            piece_ids = next(first_ids) if position == 0 else next(rest_ids)
+    room = WHOLE if max_len is None else max_len
+    encoded: list[tuple[list[int], list[int]]] = [([], []) for _ in rows]
+    for position in range(max(map(len, rows), default=0)):
+        todo = [row for row, pieces in enumerate(rows) if position < len(pieces) and len(encoded[row][0]) < room]
+        texts = [rows[row][position][0] for row in todo]
+        limits = None if max_len is None else [room - len(encoded[row][0]) for row in todo]
+        pieces_ids = token_ids(tokenizer, texts, special_tokens=special_tokens and position == 0, limits=limits)
+        for row, piece_ids in zip(todo, pieces_ids):
+            ids, mask = encoded[row]
             ids += piece_ids
-            mask += [int(trained)] * len(piece_ids)
-        if add_eos and (not ids or ids[-1] != eos):
+            mask += [int(rows[row][position][1])] * len(piece_ids)
+    for ids, mask in encoded:
+        if add_eos and len(ids) < room and (not ids or ids[-1] != eos):
             mask.append(mask[-1] if mask else 1)
             ids.append(eos)
-        encoded.append((ids, mask))
     return encoded
 
 
@@ -744,8 +825,8 @@ def encode_sft(
                                     input_template=input_template, system=system)
             for prompt, response, system in zip(ds[input_key], ds[output_key], systems)
         ]
-    fitted = [_fit(ids, mask, max_len)
-              for ids, mask in _encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)]
+    fitted = [_fit(ids, mask, max_len) for ids, mask in _encode_pieces(
+        tokenizer, pieces, special_tokens=not apply_chat_template, max_len=max_len)]
     return Encoded([{"input_ids": ids, "loss_mask": mask} for ids, mask in (f or ([], []) for f in fitted)],
                    [f is not None for f in fitted], "SFT", f"no response token fits in max_len={max_len}; raise --max_len")
 
@@ -783,8 +864,8 @@ def encode_preferences(
             pieces.append(_prompt_response_pieces(tokenizer, prompt, response, apply_chat_template=apply_chat_template,
                                                   input_template=input_template))
     special = not apply_chat_template
-    chosen = _encode_pieces(tokenizer, chosen_pieces, special_tokens=special)
-    rejected = _encode_pieces(tokenizer, rejected_pieces, special_tokens=special)
+    both = _encode_pieces(tokenizer, chosen_pieces + rejected_pieces, special_tokens=special, max_len=max_len)
+    chosen, rejected = both[: len(chosen_pieces)], both[len(chosen_pieces) :]
     margins = ds[margin_key] if margin_key is not None else None
     examples, fits = [], []
     for row, (chosen_encoded, rejected_encoded) in enumerate(zip(chosen, rejected)):
@@ -837,10 +918,10 @@ def encode_kto(
         for prompt, response in zip(ds[input_key], ds[output_key])
     ]
     examples, fits = [], []
-    encoded = _encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template)
+    encoded = _encode_pieces(tokenizer, pieces, special_tokens=not apply_chat_template, max_len=max_len)
     for (ids, mask), label in zip(encoded, ds[label_key]):
         prompt_ids, response_ids = _split_prompt(ids, mask)
-        response_ids = response_ids[: max_len - len(prompt_ids)]
+        response_ids = response_ids[: max(max_len - len(prompt_ids), 0)]  # none when the prompt fills it
         fits.append(bool(response_ids))
         examples.append({"prompt_ids": prompt_ids if response_ids else [], "response_ids": response_ids,
                          "desirable": bool(label)})

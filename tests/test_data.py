@@ -402,3 +402,147 @@ def validation_error_of(path: Path, validate, **keys) -> str:
     with pytest.raises(DataValidationError) as err:
         validate(data.load_rows(str(path)), str(path), **keys)
     return str(err.value)
+
+
+# ------------------------------------------------------------------------ encoding only the tokens max_len keeps
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def trained_tokenizer(kind: str):
+    """A small tokenizer of a real family, trained here: GPT-2's byte-level BPE, Llama 3's regex split, one whose
+    words keep the space after them (a cut word differs from the whole text's), a sentencepiece-like Metaspace BPE
+    (splitting words, or Llama 2's way: the whole text one word), BERT's WordPiece."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from bench.data_scale import TextSource
+
+    special = ["<|eos|>", "<|user|>"]
+    if kind == "wordpiece":
+        backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=2000, special_tokens=["[UNK]", *special], show_progress=False)
+    elif kind.startswith("metaspace"):
+        backend = Tokenizer(models.BPE(byte_fallback=True))
+        backend.normalizer = normalizers.NFKC()
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=kind == "metaspace-words")
+        trainer = trainers.BpeTrainer(vocab_size=2000, show_progress=False,
+                                      special_tokens=[*special] + [f"<0x{byte:02X}>" for byte in range(256)])
+    else:
+        backend = Tokenizer(models.BPE())
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=kind == "gpt2")
+        split = (pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated") if kind == "llama3" else
+                 pre_tokenizers.Split(" ", "merged_with_previous"))  # a word ends with the space after it
+        backend.pre_tokenizer = byte_level if kind == "gpt2" else pre_tokenizers.Sequence([split, byte_level])
+        trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=special, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    source = TextSource(seed=1)
+    backend.train_from_iterator([source.text(5, 40) for _ in range(2000)] + [MIXED_SCRIPTS] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eos|>", additional_special_tokens=special[1:])
+
+
+MIXED_SCRIPTS = "数据 测试 这是一个例子 🙂🙂 ünïcödé naïve 12345 3.14159 x_y-z don't I'll\ttab\n\nnew line"
+
+
+def texts_that_cut_anywhere() -> list[str]:
+    """Long texts whose cuts fall in every kind of place: words, digits, other scripts, runs of spaces, newlines,
+    special tokens, one word of thousands of characters; and short ones encoded whole."""
+    from bench.data_scale import TextSource
+
+    source = TextSource(seed=2)
+    texts = [source.text(60, 400) for _ in range(40)]
+    texts += [" ".join([MIXED_SCRIPTS] * 30), ("word  " * 3 + "   \n") * 200, "<|user|>" + "Hi <|eos|>there " * 300,
+              "9" * 5000, "a" * 3000 + " end", ("x" * 300 + " ") * 20, "tail " * 400 + "<|eos|>", "", "short"]
+    return texts
+
+
+@pytest.mark.parametrize("kind", ["tiny", "gpt2", "llama3", "trailing-space", "metaspace-words", "metaspace-one",
+                                  "wordpiece"])
+def test_the_first_tokens_of_a_text_cut_short_are_those_of_the_whole_text(tokenizer, kind):
+    """token_ids with limits: each text's first `limit` ids equal the whole encoding's, whatever the tokenizer and
+    wherever the cut falls; long texts are cut (fewer characters encoded) where the tokenizer splits words, and
+    encoded whole where it does not (Llama 2's Metaspace without split)."""
+    tokenizer = tokenizer if kind == "tiny" else trained_tokenizer(kind)
+    texts = texts_that_cut_anywhere()
+    for special_tokens in (False, True):
+        whole = tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
+        # without special tokens, every third limit up to 400: the last wanted token at each place of a word
+        for limit in [*range(1, 400, 3)] * (not special_tokens) + [1, 60, 512, 2000, data.WHOLE]:
+            limits = [limit] * len(texts)
+            assert data.token_ids(tokenizer, texts, special_tokens=special_tokens, limits=limits) == [
+                ids[:limit] for ids in whole], (kind, special_tokens, limit)
+
+    class CountingBackend:  # the characters the batch encoder reads
+        def __init__(self, backend):
+            self.backend, self.chars = backend, 0
+
+        def encode_batch(self, batch, add_special_tokens):
+            self.chars += sum(map(len, batch))
+            return self.backend.encode_batch(batch, add_special_tokens=add_special_tokens)
+
+    counting = CountingBackend(tokenizer.backend_tokenizer)
+    cut_ids = data._leading_ids(counting, texts, [60] * len(texts), special_tokens=False)
+    assert cut_ids == [ids[:60] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    total = sum(map(len, texts))
+    if kind == "metaspace-one":
+        assert not data._splits_words(tokenizer.backend_tokenizer)
+    else:
+        assert counting.chars < total / 2, (kind, counting.chars, total)  # 8 of them encoded whole to calibrate
+
+
+def test_the_same_text_is_encoded_once(tokenizer):
+    texts = ["Add 1 and 1.", "Add 2 and 2.", "Add 1 and 1."]
+    ids = data.token_ids(tokenizer, texts, special_tokens=False, limits=[2, 100, 100])
+    assert ids == [tokenizer(text, add_special_tokens=False)["input_ids"][:limit] for text, limit in
+                   zip(texts, [2, 100, 100])]
+    ids[0].append(-1)  # the lists are the caller's own
+    assert ids[2] == tokenizer(texts[2], add_special_tokens=False)["input_ids"]
+
+
+def real_format_pairs(rows: int) -> datasets.Dataset:
+    """Preference pairs in OpenRLHF/preference_dataset_mixture2_and_safe_pku's layout, as the data bench writes."""
+    from bench.data_scale import TextSource
+
+    source = TextSource(seed=3)
+    pairs = []
+    for _ in range(rows):
+        user = {"role": "user", "content": source.text(20, 90)}
+        pairs.append({side: [user, {"role": "assistant", "content": source.text(60, 200)}]
+                      for side in ("chosen", "rejected")})
+    return dataset(pairs)
+
+
+@pytest.mark.parametrize("max_len", [16, 200, 512, 1500])
+def test_examples_built_to_max_len_equal_those_cut_from_whole_encodings(tokenizer, monkeypatch, max_len):
+    """Every encoder that cuts at max_len (SFT's three modes, preferences, KTO) gives the examples, fits and eos of
+    encoding every piece whole and cutting after, on real-format rows long enough to be cut (and, at 16, rows whose
+    prompt fills max_len)."""
+    pairs = real_format_pairs(60)
+    sft = dataset([{"q": pair["chosen"][0]["content"], "a": pair["chosen"][1]["content"],
+                    "conversation": pair["chosen"] + [pair["chosen"][0], pair["rejected"][1]]} for pair in pairs])
+    builds = {
+        "sft": lambda: data.encode_sft(sft, tokenizer, input_key="q", output_key="a", apply_chat_template=True,
+                                       max_len=max_len),
+        "sft plain": lambda: data.encode_sft(sft, tokenizer, input_key="q", output_key="a", max_len=max_len,
+                                             apply_chat_template=False, input_template="Q: {}\nA: "),
+        "multiturn": lambda: data.encode_sft(sft, tokenizer, input_key="conversation", output_key="a",
+                                             apply_chat_template=True, multiturn=True, max_len=max_len),
+        "pretrain": lambda: data.encode_sft(sft, tokenizer, input_key="a", output_key="a", apply_chat_template=False,
+                                            pretrain_mode=True, max_len=max_len),
+        "preference": lambda: data.encode_preferences(pairs, tokenizer, prompt_key=None, chosen_key="chosen",
+                                                      rejected_key="rejected", apply_chat_template=True,
+                                                      max_len=max_len),
+        "kto": lambda: data.encode_kto(sft.add_column("label", [True, False] * 30), tokenizer, input_key="q",
+                                       output_key="a", label_key="label", apply_chat_template=True, max_len=max_len),
+    }
+    built = {name: build() for name, build in builds.items()}
+    encode_whole = data._encode_pieces
+    monkeypatch.setattr(data, "_encode_pieces", lambda *args, max_len=None, **kwargs: encode_whole(*args, **kwargs))
+    for name, build in builds.items():
+        expected = build()
+        assert (built[name].examples, built[name].fits) == (expected.examples, expected.fits), name
+    # No prompt is as short as 16 tokens: at 16 every row is dropped (a KTO prompt is never cut)
+    assert any(built["preference"].fits) == any(built["kto"].fits) == (max_len > 16)
