@@ -502,25 +502,14 @@ def test_the_same_text_is_encoded_once(tokenizer):
     assert ids[2] == tokenizer(texts[2], add_special_tokens=False)["input_ids"]
 
 
-def real_format_pairs(rows: int) -> datasets.Dataset:
-    """Preference pairs in OpenRLHF/preference_dataset_mixture2_and_safe_pku's layout, as the data bench writes."""
-    from bench.data_scale import TextSource
-
-    source = TextSource(seed=3)
-    pairs = []
-    for _ in range(rows):
-        user = {"role": "user", "content": source.text(20, 90)}
-        pairs.append({side: [user, {"role": "assistant", "content": source.text(60, 200)}]
-                      for side in ("chosen", "rejected")})
-    return dataset(pairs)
-
-
 @pytest.mark.parametrize("max_len", [16, 200, 512, 1500])
-def test_examples_built_to_max_len_equal_those_cut_from_whole_encodings(tokenizer, monkeypatch, max_len):
+def test_examples_built_to_max_len_equal_those_cut_from_whole_encodings(tokenizer, monkeypatch, tmp_path, max_len):
     """Every encoder that cuts at max_len (SFT's three modes, preferences, KTO) gives the examples, fits and eos of
     encoding every piece whole and cutting after, on real-format rows long enough to be cut (and, at 16, rows whose
     prompt fills max_len)."""
-    pairs = real_format_pairs(60)
+    from bench.data_scale import write_pairs  # OpenRLHF/preference_dataset_mixture2_and_safe_pku's layout
+
+    pairs = data.load_rows(str(write_pairs(tmp_path / "pairs.jsonl", 60, seed=3)))
     sft = dataset([{"q": pair["chosen"][0]["content"], "a": pair["chosen"][1]["content"],
                     "conversation": pair["chosen"] + [pair["chosen"][0], pair["rejected"][1]]} for pair in pairs])
     builds = {
