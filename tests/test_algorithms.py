@@ -739,6 +739,18 @@ def test_rollout_correction_worked_rows(kind, weights, affected):
     assert not got_weights.requires_grad
 
 
+def test_logprob_gap_worked_numbers():
+    """docs/algorithms.md: the engine's log-probs of its samples against the actor's, over the action tokens."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    rollout_logp = torch.tensor([[-1.1, -1.7, -0.5]])
+    gap = rl_algo.logprob_gap(logp, rollout_logp, torch.tensor([[1.0, 1.0, 0.0]]))
+    close(gap["abs_sum"] / 2, 0.2)
+    close(gap["max"], 0.3)
+    close(gap["k3_sum"] / 2, (0.0051709 + 0.0408182) / 2)
+    same = rl_algo.logprob_gap(logp, logp, torch.ones(1, 3))
+    assert float(same["abs_sum"]) == float(same["k3_sum"]) == float(same["max"]) == 0.0
+
+
 def test_rollout_correction_is_one_where_the_trainer_agrees_with_the_engines():
     logp = torch.randn(3, 5, requires_grad=True)
     for kind in rl_algo.IS_CORRECTION_TYPES:

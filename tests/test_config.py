@@ -363,6 +363,8 @@ GROUP_ESTIMATORS = ["group_norm", "rloo", "dr_grpo", "reinforce_baseline"]
           "--async_train"]),
         ("rl", [*TINY, "--vllm_generate_batch_size", "16"], ["--vllm_generate_batch_size 16 is below "
                                                               "--rollout_batch_size 32"]),
+        ("rl", [*TINY, "--logprob_gap_warn", "0.5", "--logprob_gap_stop", "0.2"],
+         ["--logprob_gap_stop 0.2 must be above --logprob_gap_warn 0.5"]),
         ("rl", [*TINY, "--vllm_is_correction_type", "icepop"],
          ["--vllm_is_correction_type configures --enable_vllm_is_correction, which is off"]),
         ("rl", [*TINY, "--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "1.5", "5"],

@@ -16,7 +16,7 @@ import torch
 import yaml
 from conftest import free_port
 from faults import rewound_checkpoints
-from stage_runs import history_of, max_weight_change, metrics_of, run_stage, tiny_suite, weights
+from stage_runs import ROOT, history_of, max_weight_change, metrics_of, run_stage, tiny_suite, weights
 from test_config import SEED_GRPO, SEED_PPO, SEED_PPO_HYBRID, stage_argv
 from test_rewards import RewardServer
 
@@ -38,10 +38,12 @@ PPO = ("--advantage_estimator", "gae", "--n_samples_per_prompt", 4, "--no_use_kl
 ASYNC = ("--no_colocate_all_models", "--async_train")
 
 
-def rl(tmp: Path, sft_model: Path, assets, *flags, env: dict | None = None, expect_rc: int = 0, name: str = "run"):
+def rl(tmp: Path, sft_model: Path, assets, *flags, env: dict | None = None, expect_rc: int = 0, name: str = "run",
+       private_ray: bool = False):
     out = tmp / name
     proc = run_stage("rl", "--pretrain", sft_model, "--prompt_data", assets["prompts_train"],
-                     "--save_path", out / "model", "--ckpt_path", out / "ckpt", *flags, env=env, expect_rc=expect_rc)
+                     "--save_path", out / "model", "--ckpt_path", out / "ckpt", *flags, env=env, expect_rc=expect_rc,
+                     private_ray=private_ray)
     return out / "model", proc
 
 
@@ -251,6 +253,23 @@ def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sf
     _, proc = rl(tmp_path, sft_model, assets, "--advantage_estimator", "group_norm", "--remote_rm_url", reward,
                  "--max_samples", 64, expect_rc=2)
     assert "reward_func in" in proc.stderr and "nan_reward.py returned non-finite rewards (nan) at index 3" in proc.stderr
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("scale:model.layers.1.mlp.up_proj.weight", "engine 0 does not compute with the weights the actor sent: "
+     "model.layers.1.mlp.gate_up_proj.weight (model.layers.1.mlp.gate_proj.weight, model.layers.1.mlp.up_proj.weight)"),
+    ("drop:model.layers.0.self_attn.k_proj.weight", "engine 0 never loaded model.layers.0.self_attn.k_proj.weight"),
+])
+def test_a_weight_sync_altered_on_its_way_stops_the_stage_naming_the_tensor(tmp_path, assets, sft_model, fault, said):
+    """A tensor doubled or lost between the actor and the vLLM engine (tests/sync_faults: where the engine opens the
+    shared buckets) stops the stage at the first sync, before the engine samples with it, naming the tensor."""
+    hook = Path(__file__).resolve().parent / "sync_faults"
+    model, proc = rl(tmp_path, sft_model, assets, "--remote_rm_url", RULE_REWARD, "--rollout_backend", "vllm",
+                     "--vllm_sync_bucket_mb", 1, "--max_samples", 96,
+                     env={"RLHF_TEST_SYNC_FAULT": fault, "PYTHONPATH": f"{hook}:{ROOT}"}, expect_rc=2, private_ray=True)
+    assert f"weight sync 1: {said}" in proc.stderr, proc.stderr[-3000:]
+    assert "[rl] step" not in proc.stdout  # step 1's line follows its sync: the stage stopped in between
+    assert not model.exists()
 
 
 def test_the_seed_grpo_command_rehearsed_on_cpu(tmp_path, assets, sft_model, reward_model):

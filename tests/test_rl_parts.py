@@ -22,7 +22,10 @@ from stages.placement import models_take_turns, placement_plan, rank_processes
 from stages.prepared import ExampleRows
 from stages.registry import STAGES
 from stages.rl.config import RLConfig
-from stages.rl.driver import PromptStream, RewardUnavailableError, drift_warnings, evaluate_held_out
+from stages.rl.driver import (
+    PromptStream, RewardUnavailableError, drift_warnings, evaluate_held_out, logprob_gap_warning,
+)
+from stages.rl.sync_check import WeightSyncError
 from stages.rl.critic import ending_with_eos, reward_normalization
 from stages.rl.rollout_queue import RolloutQueue
 from stages.rl.weight_sync import SharedBucket, bucket_bytes_total, open_shared, plan_buckets, share_bucket
@@ -188,6 +191,19 @@ def test_drift_guards_name_what_drifts():
     assert set(warnings) == {"kl", "truncation", "length"}
     assert "6.00 > 5" in warnings["kl"] and "90%" in warnings["truncation"] and "10.0 -> 25.0" in warnings["length"]
     assert set(drift_warnings(cfg, first, {"kl": 0.0, "truncated_fraction": 0.0, "response_length": 4.0})) == {"length"}
+
+
+def test_the_log_prob_gap_warns_then_stops_the_stage_but_not_on_samples_of_an_older_policy():
+    cfg = rl_config("--logprob_gap_warn", "0.1", "--logprob_gap_stop", "1.0")
+    record = {"logprob_gap_mean": 0.05, "logprob_gap_max": 0.4, "logprob_gap_k3": 0.002}
+    assert logprob_gap_warning(cfg, record, step=3, lag=0) is None
+    warning = logprob_gap_warning(cfg, {**record, "logprob_gap_mean": 0.3}, step=3, lag=0)
+    assert "differ from the actor's by 0.3000 nats per token" in warning and "--logprob_gap_warn 0.1" in warning
+    with pytest.raises(WeightSyncError, match=r"step 3: .* above --logprob_gap_stop 1: the engines do not sample"):
+        logprob_gap_warning(cfg, {**record, "logprob_gap_mean": 4.2}, step=3, lag=0)
+    # --async_train: the samples' policy moved since; its change is in the gap too.
+    assert "(samples 2 policy version(s) old)" in logprob_gap_warning(cfg, {**record, "logprob_gap_mean": 4.2}, 3, 2)
+    assert logprob_gap_warning(rl_config("--logprob_gap_stop", "none"), {**record, "logprob_gap_mean": 4.2}, 3, 0)
 
 
 @pytest.mark.parametrize(

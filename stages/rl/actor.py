@@ -106,6 +106,7 @@ class PolicyWorker(TrainedRole):
     aux_key = "aux_loss"
     _sharing: Iterator | None = None  # the walk of the weights a shared sync is in (share_bucket)
     _held = None  # the bucket the engines are opening (stages.rl.weight_sync.HeldBucket)
+    _sent: dict = {}  # rank 0: {name: digest} of the last sync (stages.rl.weight_check.TensorDigest)
 
     def learning_rate(self) -> float:
         return self.cfg.actor_learning_rate
@@ -158,9 +159,10 @@ class PolicyWorker(TrainedRole):
         return client_state
 
     @torch.no_grad()
-    def log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def log_probs(self, batch: dict[str, torch.Tensor], temperature: float | None = None) -> torch.Tensor:
+        """Token log-probs at the sampling temperature, or at `temperature` (the weight check's probe: 1)."""
         self.engine.eval()
-        return sequence_log_probs(self.engine, batch, self.cfg, self.ring)
+        return sequence_log_probs(self.engine, batch, self.cfg, self.ring, temperature)
 
     def train_step(self, shard: dict[str, torch.Tensor], step_tokens: float, step_sequences: int,
                    kl_coef: float) -> dict[str, float]:
@@ -185,7 +187,12 @@ class PolicyWorker(TrainedRole):
                 logp, entropy_t = policy_forward(self.engine, micro, cfg.temperature, cfg.packing_samples,
                                                  with_entropy=cfg.entropy_loss_coef is not None, ring=self.ring)
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
-            rollout_logp = micro.get("rollout_logp")
+            if "rollout_logp" in micro and "old_logp" not in micro:  # this forward is the sampling policy's
+                gap = rl_algo.logprob_gap(logp, micro["rollout_logp"], mask)
+                for key, value in (("logprob_gap_mean", gap["abs_sum"]), ("logprob_gap_k3", gap["k3_sum"])):
+                    totals[key] = totals.get(key, 0.0) + float(value) / step_tokens
+                totals["logprob_gap_max"] = max(totals.get("logprob_gap_max", 0.0), float(gap["max"]))
+            rollout_logp = micro.get("rollout_logp") if cfg.enable_vllm_is_correction else None
             if cfg.policy_loss_type == "gspo":
                 # GSPO's sequence ratio is taken to the policy that sampled when the correction is on (OpenRLHF).
                 base = old_logp if rollout_logp is None else rollout_logp
@@ -265,25 +272,41 @@ class PolicyWorker(TrainedRole):
                                       if backend == "nccl" else None)
 
     @torch.no_grad()
-    def share_bucket(self, index: int, bucket: list):
+    def share_bucket(self, index: int, bucket: list, digests: bool = False):
         """Shared sync (engines on this rank's device): bucket `index` of the walk of the weights (the first
         starts a walk; every rank walks, for ZeRO-3's gathers) laid out on this rank's device, as a handle the
-        engines there open. The previous bucket is released."""
+        engines there open. The previous bucket is released. With `digests`, rank 0 digests what it shares."""
         from stages.rl.weight_sync import share_bucket
 
         device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
         if index == 0:
             self.release_shared()  # a walk an error left open
             self._sharing = self._sync_weights(device)
+            self._sent = {}
         elif self._held is not None:
             self._held.release()
-        tensors = []
-        for expected, _, _ in bucket:
-            name, weight = next(self._sharing)
-            assert name == expected, f"weight sync out of step: {name} where the plan has {expected}"
-            tensors.append(weight)
+        tensors = self._next_bucket(self._sharing, bucket, digests and self.rank == 0)
         self._held, shared = share_bucket(tensors, device)
         return shared
+
+    def _next_bucket(self, weights: Iterator[tuple[str, torch.Tensor]], bucket: list,
+                     digests: bool) -> list[torch.Tensor]:
+        """The tensors of `bucket` from the walk of the weights, digested as the engines hold them if asked
+        (stages/rl/weight_check.py)."""
+        from stages.rl.weight_check import digest
+
+        tensors = []
+        for expected, _, _ in bucket:
+            name, weight = next(weights)
+            assert name == expected, f"weight sync out of step: {name} where the plan has {expected}"
+            if digests:
+                self._sent[name] = digest(weight, _dtype(self.cfg))
+            tensors.append(weight)
+        return tensors
+
+    def sent_digests(self) -> dict:
+        """Rank 0: the digests of the last sync's tensors ({} when it was not asked to digest them)."""
+        return self._sent
 
     @torch.no_grad()  # the walk's contexts restore the grad mode they found, no_grad: close it inside one
     def release_shared(self) -> None:
@@ -294,18 +317,16 @@ class PolicyWorker(TrainedRole):
         self._held = self._sharing = None
 
     @torch.no_grad()
-    def broadcast_weights(self, buckets: list) -> None:
-        """Every rank walks the weights (joining the ZeRO-3 gathers); rank 0 broadcasts them bucket by bucket."""
+    def broadcast_weights(self, buckets: list, digests: bool = False) -> None:
+        """Every rank walks the weights (joining the ZeRO-3 gathers); rank 0 broadcasts them bucket by bucket, and
+        with `digests` digests them."""
         from stages.rl.weight_sync import send_bucket
 
         device = self._sync_group.device if self.rank == 0 else "meta"
         weights = self._sync_weights(device)
+        self._sent = {}
         for bucket in buckets:
-            tensors = []
-            for expected, _, _ in bucket:
-                name, weight = next(weights)
-                assert name == expected, f"weight sync out of step: {name} where the plan has {expected}"
-                tensors.append(weight)
+            tensors = self._next_bucket(weights, bucket, digests and self.rank == 0)
             if self.rank == 0:
                 send_bucket(self._sync_group, tensors)
 
@@ -429,9 +450,12 @@ def policy_forward(model, micro: dict[str, torch.Tensor], temperature: float, pa
 
 
 @torch.no_grad()
-def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg, ring=None) -> torch.Tensor:
-    """Log-probs [B, T-1] of a batch, micro-batch by micro-batch, on CPU."""
+def sequence_log_probs(model, batch: dict[str, torch.Tensor], cfg, ring=None,
+                       temperature: float | None = None) -> torch.Tensor:
+    """Log-probs [B, T-1] of a batch at the sampling temperature (or `temperature`), micro-batch by micro-batch, on
+    CPU."""
+    temperature = cfg.temperature if temperature is None else temperature
     micro = rank_micro_batches(batch, cfg.micro_rollout_batch_size, cfg.rollout_token_budget,
                                next(model.parameters()).device)
-    return forward_rows(batch, micro, lambda part: policy_forward(model, part, cfg.temperature,
+    return forward_rows(batch, micro, lambda part: policy_forward(model, part, temperature,
                                                                    cfg.packing_samples, ring=ring)[0])

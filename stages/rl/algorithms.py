@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from stages.algorithms import masked_mean
+from stages.algorithms import masked_mean, masked_sum
 from stages.rl.estimators import ADVANTAGE_ESTIMATORS, GLOBALLY_NORMALIZED_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS
 
 KL_CLAMP = 10.0
@@ -342,6 +342,17 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
     sequence_ratio = masked_mean(raw_log_ratio, mask, dim=-1).exp()
     kept = ((sequence_ratio >= low) & (sequence_ratio <= high)).float().unsqueeze(-1)
     return ratio * kept, (1.0 - kept).expand_as(ratio) * mask
+
+
+def logprob_gap(logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the rollout engine's log-probs of the tokens it sampled are from the trainer's (same weights, other
+    kernels): over the action tokens, the sum of |logp - rollout_logp|, the sum of the k3 estimate of
+    KL(π_engine ‖ π_trainer) (the tokens were sampled by the engine: k3 = r - 1 - log r, r = π_trainer / π_engine),
+    and the largest |logp - rollout_logp|. Sums, so that shares of one step add up over micro-batches and ranks."""
+    diff = (logp.float() - rollout_logp.float()).detach().abs()
+    k3 = compute_kl(rollout_logp.detach(), logp.detach(), "k3")
+    return {"abs_sum": masked_sum(diff, mask), "k3_sum": masked_sum(k3, mask),
+            "max": torch.where(mask.bool(), diff, 0.0).max() if mask.numel() else diff.new_zeros(())}
 
 
 def step_sequence_count(mask: Tensor) -> int:

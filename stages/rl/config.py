@@ -227,6 +227,22 @@ class OutputGuards(StrictModel):
         description="training guard: warn when the mean response length grows or shrinks by more than this factor "
         "from the first step's",
     )
+    weight_sync_check_interval: Annotated[int, NOT_TRAINING] = Field(
+        1, ge=1,
+        description="check that every rollout engine computes with the actor's weights after every N-th weight sync "
+        "(what the actor sent, read back from each engine worker's layers, and a probe batch's log-probs from both); "
+        "the start-up and the first sync are always checked. A mismatch stops the stage naming the tensor and engine",
+    )
+    logprob_gap_warn: Annotated[float, NOT_TRAINING] = Field(
+        0.1, gt=0,
+        description="training guard: warn when the rollout engines' log-probs of the sampled tokens differ from the "
+        "actor's (before its update) by more than this on average (nats per token, logged as logprob_gap_mean)",
+    )
+    logprob_gap_stop: Annotated[float | None, NOT_TRAINING] = Field(
+        1.0, gt=0,
+        description="stop the stage when logprob_gap_mean exceeds this: the engines no longer sample from the policy "
+        "being trained; unset: never stop on it",
+    )
     enable_ema: bool = Field(
         False,
         description="keep an exponential moving average of the actor's weights (updated after each optimizer step, "
@@ -266,6 +282,11 @@ class RLConfig(RolloutSettings, AlgorithmSettings, AsyncSettings, RLPlacement, O
     )
     max_samples: Annotated[int, RUN_OVERRIDE] = max_samples_field(100_000_000)
     micro_train_batch_size: int = micro_train_batch_size_field(4)
+
+    @property
+    def rollout_dtype(self) -> str:
+        """The rollout engines' dtype: the actor's."""
+        return "bfloat16" if self.bf16 else "float32"
 
     @property
     def total_len(self) -> int:
@@ -365,6 +386,9 @@ class RLConfig(RolloutSettings, AlgorithmSettings, AsyncSettings, RLPlacement, O
         problems += self._placement_problems()
         problems += self._algorithm_problems()
         parse_probabilities(self.prompt_data, self.prompt_data_probs, "prompt_data", "prompt_data_probs", problems)
+        if self.logprob_gap_stop is not None and self.logprob_gap_stop <= self.logprob_gap_warn:
+            problems.append(f"--logprob_gap_stop {self.logprob_gap_stop:g} must be above --logprob_gap_warn "
+                            f"{self.logprob_gap_warn:g}: the run would stop on what it should only warn about")
         samples = self.rollout_batch_size * self.n_samples_per_prompt
         if samples % self.train_batch_size:
             problems.append(

