@@ -445,11 +445,12 @@ def load_rng_state(path: Path) -> dict[str, Any]:
 def export_hf(engine_or_model, tokenizer, out_dir: str | os.PathLike, extra_config: dict | None = None) -> None:
     """Write the model in HF format (safetensors + tokenizer) from rank 0; all ranks must call (ZeRO-3 gathers).
 
-    A LoRA model is written merged (loadable like any HF model) with its adapter in `<out_dir>/lora_adapter`.
+    A LoRA model is written merged (loadable like any HF model) with its adapter in `<out_dir>/lora_adapter`. Only
+    rank 0 copies the weights to host memory; the others walk them on the meta device, joining the gathers.
     """
     from stages import lora
 
-    state = dict(lora.merged_named_weights(engine_or_model))
+    state = dict(lora.merged_named_weights(engine_or_model, device="cpu" if dist.get_rank() == 0 else "meta"))
     adapter = lora.adapter_state(engine_or_model) if lora.is_lora(engine_or_model) else None
     if dist.get_rank() == 0:
         from stages.model_io import save_hf

@@ -179,3 +179,52 @@ def test_a_reward_model_never_scores_with_a_head_it_did_not_train(tiny_model_dir
     assert torch.equal(loaded.score.weight, head)
     # A critic about to be trained may start from a fresh head.
     assert model_io.load_value_model(tiny_model_dir).score.weight.shape == head.shape
+
+
+def _export_on_two_ranks(rank: int, out_dir: str, store: str, grown) -> None:
+    import threading
+
+    import psutil
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import peft.tuners.lora  # noqa: F401 - what export_hf imports, in memory before the measure
+    import safetensors.torch  # noqa: F401
+    from stages.engine import export_hf
+    from stages.model_io import save_hf  # noqa: F401
+    from stages.tiny import build_tokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                                         num_hidden_layers=4, num_attention_heads=8, tie_word_embeddings=False))
+    tokenizer = build_tokenizer()
+    process, highest, done = psutil.Process(), [0], threading.Event()
+
+    def sample() -> None:  # the resident memory while the export runs, every few milliseconds
+        while not done.is_set():
+            highest[0] = max(highest[0], process.memory_info().rss)
+            done.wait(0.002)
+
+    before = process.memory_info().rss
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    export_hf(model, tokenizer, out_dir)
+    done.set()
+    sampler.join()
+    grown[rank] = highest[0] - before
+    grown[f"bytes{rank}"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.destroy_process_group()
+
+
+def test_only_the_writing_rank_copies_the_model_to_host_memory_at_export(tmp_path):
+    """Every rank walks the weights (under ZeRO-3 the gathers are collectives), but only rank 0 writes them: the
+    others walk on the meta device. Each rank used to copy the whole model (an 8B model: 16 GiB, times 8 ranks)."""
+    import torch.multiprocessing as mp
+
+    grown = mp.Manager().dict()
+    mp.spawn(_export_on_two_ranks, args=(str(tmp_path / "model"), str(tmp_path / "store"), grown), nprocs=2)
+    size = grown["bytes0"]  # about 180 MB
+    assert grown[0] > 0.8 * size, dict(grown)  # the writer's copy shows in its memory...
+    assert grown[1] < 0.2 * size, dict(grown)  # ...the other rank's does not
+    assert model_io.load_causal_lm(str(tmp_path / "model")).num_parameters() == size // 4
