@@ -121,6 +121,12 @@ class PromotionGate(StrictModel):
     max_kl_mean: float | None = Field(
         None, gt=0, description="upper bound on kl_mean (candidate vs reference); unset: only finite is required",
     )
+    max_logprob_gap: float | None = Field(
+        None, gt=0,
+        description="upper bound (nats per token) on how far the rollout engines' log-probs may be from the "
+        "trainer's: the evaluation's logprob_gap_mean of the candidate and, for a candidate trained by RL, its "
+        "last weight sync's probe gap (weight_sync_probe_gap_mean in its manifest); unset: not judged",
+    )
     max_reward_regression: float = Field(
         0.05, ge=0,
         description="tolerance against production: production_reward_mean − reward_mean may be at most this",

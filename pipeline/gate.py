@@ -74,9 +74,10 @@ def judged_on(gain: float, bounds: list[float | None], gate: PromotionGate) -> t
     return bounds[0], f"{gain:+.4f}, 95% interval [{bounds[0]:+.4f}, {bounds[1]:+.4f}]"
 
 
-def check_gate(metrics: dict, gate: PromotionGate, production_version: int | None = None) -> tuple[bool, list[str]]:
+def check_gate(metrics: dict, gate: PromotionGate, production_version: int | None = None,
+               candidate: dict | None = None) -> tuple[bool, list[str]]:
     """(passed, one line per criterion, failures first). `production_version`: the production policy the report
-    must have scored (its `production_` metrics), or None."""
+    must have scored (its `production_` metrics), or None. `candidate`: the candidate's own metrics (its manifest)."""
     failures, passes = [], []
 
     def record(ok: bool, line: str) -> None:
@@ -122,6 +123,9 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
     for rule in gate.rules:
         check_rule(rule, metrics, gate, production_version, record)
 
+    if gate.max_logprob_gap is not None:
+        check_logprob_gap(gate.max_logprob_gap, metrics, candidate or {}, record)
+
     kl = metrics.get("kl_mean")
     if kl is None:
         record(False, "report has no kl_mean")
@@ -130,6 +134,18 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
         record(math.isfinite(kl) and bound_ok,
                f"kl_mean {kl:.4f} (needs finite{'' if gate.max_kl_mean is None else f', <= {gate.max_kl_mean}'})")
     return not failures, [f"FAIL {line}" for line in failures] + [f"ok   {line}" for line in passes]
+
+
+def check_logprob_gap(bound: float, metrics: dict, candidate: dict, record: Callable[[bool, str], None]) -> None:
+    """The engines must run the candidate as the trainer does: the evaluation's gap (required), and the RL stage's
+    gap at its last weight sync where the candidate has one."""
+    gap = metrics.get("logprob_gap_mean")
+    record(gap is not None and gap <= bound,
+           f"log-prob gap of the evaluation's engines {gap:.4f} (needs <= {bound})" if gap is not None
+           else "report has no logprob_gap_mean (evaluate.logprob_gap_samples 0, or engines other than vLLM)")
+    synced = candidate.get("weight_sync_probe_gap_mean")
+    if synced is not None:
+        record(synced <= bound, f"log-prob gap at the candidate's last weight sync {synced:.4f} (needs <= {bound})")
 
 
 def check_rule(rule: GateRule, metrics: dict, gate: PromotionGate, production_version: int | None,
@@ -177,7 +193,7 @@ def decide(policy: StageResult, report: StageResult, gate: PromotionGate, produc
     """The gate's decision on `policy` from its evaluation `report`; `production` is the policy the report compared
     it with, `current_production` the version the alias points at now."""
     production_version = production.version if production is not None else None
-    passed, reasons = check_gate(report.metrics, gate, production_version)
+    passed, reasons = check_gate(report.metrics, gate, production_version, policy.metrics)
     already = current_production == policy.version
     if already:
         reasons.insert(0, f"already production: promoted by an earlier run (this evaluation "

@@ -26,7 +26,8 @@ COMPARISON = re.compile(r"(?:[\w.-]+/)?(accuracy_gain|reward_gain|win_rate)_vs_(
 COMPARISON_OR_BOUND = re.compile(COMPARISON.pattern + r"(_low|_high)?")
 CURVE_FILE = "learning_curve.png"
 # Panels of the learning curve: (title, history keys drawn in it); a panel without data is left out.
-CURVE_PANELS = (("reward", ("reward", "eval_reward")), ("KL to reference", ("kl",)), ("loss", ("loss",)))
+CURVE_PANELS = (("reward", ("reward", "eval_reward")), ("KL to reference", ("kl",)), ("loss", ("loss",)),
+                ("log-prob gap, engines vs actor", ("logprob_gap_mean", "sync_probe_gap_mean")))
 
 
 class ReportResult(BaseModel):
@@ -110,7 +111,7 @@ def _benchmark_table(metrics: dict) -> str:
 
 
 def learning_curve_png(history: list[dict], title: str) -> bytes | None:
-    """A PNG of the history's reward, KL and loss by step; None when it has none of them."""
+    """A PNG of the history's reward, KL, loss and engine-vs-actor log-prob gap by step; None when it has none."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on workers

@@ -101,7 +101,8 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     # The approval fields act in the flow (tests/test_deployment.py: approved in the browser, rejected by timeout).
     assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "min_prompts", "max_kl_mean",
                                                "max_reward_regression", "max_accuracy_regression",
-                                               "require_approval", "approval_timeout_s", "decide_on_intervals", "rules"}
+                                               "require_approval", "approval_timeout_s", "decide_on_intervals", "rules",
+                                               "max_logprob_gap"}
     assert load_pipeline_config("tiny").gate.max_accuracy_regression == 0.02
     report = {"accuracy": 0.50, "reference_accuracy": 0.30, "reward_mean": 1.0, "reference_reward_mean": 0.5,
               "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02, "prompts": 200}
@@ -114,6 +115,15 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
                                   ("min_prompts", 201, "FAIL judged on 200 held-out prompts (needs >= 201)")]:
         passed, reasons = check_gate(report, PromotionGate(**{field: value}), production_version=3)
         assert not passed and [r for r in reasons if r.startswith("FAIL")][0].startswith(failing), (field, reasons)
+    # The engines' log-prob gap: the evaluation's is required, the RL candidate's last sync's judged where it has one.
+    gapped = {**report, "logprob_gap_mean": 0.03}
+    assert check_gate(gapped, PromotionGate(max_logprob_gap=0.05), 3, {"weight_sync_probe_gap_mean": 0.01})[0]
+    for metrics, candidate, failing in [
+            (report, {}, "FAIL report has no logprob_gap_mean"),
+            ({**report, "logprob_gap_mean": 0.08}, {}, "FAIL log-prob gap of the evaluation's engines 0.0800"),
+            (gapped, {"weight_sync_probe_gap_mean": 0.2}, "FAIL log-prob gap at the candidate's last weight sync")]:
+        passed, reasons = check_gate(metrics, PromotionGate(max_logprob_gap=0.05), 3, candidate)
+        assert not passed and reasons[0].startswith(failing), reasons
     # Production exists but the report did not score it: no decision without it.
     no_production = {k: v for k, v in report.items() if not k.startswith("production_")}
     passed, reasons = check_gate(no_production, PromotionGate(), production_version=3)

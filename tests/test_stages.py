@@ -231,11 +231,12 @@ def choice_accuracy(model_dir: Path, pairs_file: Path, rows: int) -> float:
 def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
     """The held-out prompts, and the same prompts as gsm8k and math benchmarks of an eval suite: answers compared
     with math-verify score as the tiny task's own reward does; lm-evaluation-harness tasks on the same data, through
-    the same engines, score as the stage's own metrics and an HF forward do."""
+    the same engines (vLLM), score as the stage's own metrics and an HF forward do; the policy's samples scored by
+    transformers as by the engines (the log-prob gap the gate may bound)."""
     out = tmp_path / "report"
     run_stage("evaluate", "--pretrain", sft_model, "--ref_pretrain", sft_model, "--remote_rm_url",
               "stages/tiny_reward.py", "--prompt_data", assets["prompts_eval"], "--save_path", out,
-              "--num_gpus_per_node", 2, "--max_samples", 64,
+              "--num_gpus_per_node", 2, "--max_samples", 64, "--rollout_backend", "vllm",
               "--eval_suite", tiny_suite(assets, tmp_path / "suite.yaml", 64, preferences=False),
               "--lm_eval", "tiny_gsm8k,tiny_choice", "tiny_greedy", "tiny_perplexity",
               "--lm_eval_include_path", lm_eval_tasks(assets, tmp_path / "lm-eval-tasks"))
@@ -245,6 +246,7 @@ def test_evaluate_compares_policy_with_reference(sft_model, assets, tmp_path):
     assert metrics["accuracy"] == metrics["reference_accuracy"]
     assert [metrics[f"accuracy_gain_vs_reference{end}"] for end in ("", "_low", "_high")] == [0.0, 0.0, 0.0]
     assert abs(metrics["kl_mean"]) < 1e-4
+    assert metrics["logprob_gap_samples"] == 32 and 0 < metrics["logprob_gap_mean"] < 1e-3, metrics
     assert 0 < metrics["response_length"] <= 32
     # The same greedy answers, judged by math-verify against the labels in GSM8K's and MATH's forms.
     assert metrics["gsm8k/accuracy"] == metrics["math/accuracy"] == metrics["accuracy"] > 0, metrics

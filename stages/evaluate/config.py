@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from stages.config import PolicyPath, PromptConfig, RankLayout, max_samples_field
 from stages.evaluate.suite import Benchmark, load_suite, suite_problems
-from stages.fields import Dataset
+from stages.fields import NOT_TRAINING, Dataset
 
 
 class EvaluateConfig(RankLayout, PromptConfig):
@@ -49,6 +49,12 @@ class EvaluateConfig(RankLayout, PromptConfig):
         "preference_prompts), n_samples, max_samples",
     )
 
+    logprob_gap_samples: Annotated[int, NOT_TRAINING] = Field(
+        32, ge=0,
+        description="of the policy's samples at temperature 1, how many the policy also scores as the trainer does "
+        "(transformers, after the vLLM engines are done): logprob_gap_mean and logprob_gap_max, the engines' "
+        "log-probs against it (nats per token); 0: not measured. vLLM engines with tensor parallelism 1 only",
+    )
     lm_eval: list[str] | None = Field(
         None, description="lm-evaluation-harness tasks or groups every model also runs through the stage's engines "
         "(the lm_eval extra), e.g. gsm8k ifeval (or gsm8k,ifeval); metrics lm_eval/<task>/<metric> "

@@ -21,6 +21,11 @@ beside `pass1` and `pass<n>`; `prompts` answers get the stage's reward; every be
 model's score, and with it the win rates. Its metrics, comparisons and samples carry the prefix `<name>/`. The KL is
 estimated on the first prompt set (--prompt_data where given).
 
+The candidate's log-prob gap: of its samples at temperature 1, the first `--logprob_gap_samples` are also scored by
+the policy in transformers (the trainer's forward), once the vLLM engines are done; `logprob_gap_mean` and
+`logprob_gap_max` are the mean and largest difference per token from the engines' log-probs. A policy saved in a way
+vLLM reads otherwise than transformers (a lost tie, a config field one of them ignores) shows there.
+
 With `--lm_eval` every model also runs lm-evaluation-harness tasks through the same engines
 (stages/evaluate/harness.py): `lm_eval/<task>/<metric>`, `reference_` / `production_` before the metric for the
 others.
@@ -61,7 +66,7 @@ from stages.placement import bundle_resources, group_bundles
 from stages.rewards import reward_source_of
 from stages.rl.agents import agent_rollouts, load_agent_executor
 from stages.rl.critic import RewardModelWorker
-from stages.rl.rollout import Rollout, create_rollout_engines, generate_across, score_across
+from stages.rl.rollout import Rollout, create_rollout_engines, generate_across, resolve_backend, score_across
 from stages.sequences import build_sequences
 from stages.tracking import StepLog
 
@@ -245,6 +250,21 @@ class Evaluation:
             ray.kill(engine)
 
 
+def logprob_gap(cfg, path: str, samples: list[Rollout], bundle: dict[str, float]) -> dict[str, float]:
+    """How far the engines' log-probs of the policy's samples are from the policy's own as the trainer computes
+    them (transformers, on the engines' resources once they are gone): mean and largest |difference| per token."""
+    [scorer] = create_rollout_engines(path, backend="hf", seed=cfg.seed, dtype="bfloat16" if cfg.bf16 else "float32",
+                                      num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0.0),
+                                      cpu_threads=cpu_threads(1))
+    try:
+        scored = ray.get(scorer.score_tokens.remote([(r.prompt_ids, list(r.response_ids)) for r in samples]))
+    finally:
+        ray.kill(scorer)
+    diff = torch.cat([(torch.tensor(r.logprobs) - torch.tensor(own)).abs() for r, own in zip(samples, scored)])
+    return {"logprob_gap_mean": float(diff.mean()), "logprob_gap_max": float(diff.max()),
+            "logprob_gap_samples": len(samples)}
+
+
 def benchmark_prompts(benchmark: Benchmark, cfg, tokenizer) -> list[dict]:
     """The prompts of one benchmark, rendered and tokenized as the stage's prompts are, with their labels."""
     rows = data.load_rows(benchmark.dataset, split=benchmark.split, max_samples=benchmark.max_samples,
@@ -329,7 +349,9 @@ def run(cfg) -> dict[str, Any]:
         for prompt_set in prompt_sets:
             metrics |= evaluation.score("policy", prompt_set)
         metrics |= harness_metrics(cfg, tasks, evaluation, tokenizer, "policy")
-        samples = evaluation.policy_samples() if "reference" in models else []
+        measure_gap = (cfg.logprob_gap_samples > 0 and cfg.vllm_tensor_parallel_size == 1
+                       and resolve_backend(cfg.rollout_backend) == "vllm")
+        samples = evaluation.policy_samples() if "reference" in models or measure_gap else []
         for name in ("reference", "production"):
             if name in models:
                 evaluation.load(models[name])
@@ -342,6 +364,8 @@ def run(cfg) -> dict[str, Any]:
         evaluation.close()
         if reward_group is not None:
             reward_group.shutdown()
+    if measure_gap:
+        metrics |= logprob_gap(cfg, models["policy"], samples[: cfg.logprob_gap_samples], bundle)
     metrics |= evaluation.comparisons()
     for prompt_set in prompt_sets:
         metrics[prompt_set.key("prompts")] = len(prompt_set.prompts)
