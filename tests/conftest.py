@@ -58,7 +58,7 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]):
 # fill the end of the run instead of one worker finishing a long file alone.
 SPREAD_FILES = ("test_rl.py", "test_stages.py", "test_ring_attention.py")
 LONGEST_FIRST = ("test_pipeline.py", "test_deployment.py", "test_rehearsals.py", "test_rl.py", "test_stages.py",
-                 "test_bench.py", "test_orchestration.py", "test_rollout.py", "test_transient.py")
+                 "test_real_model.py", "test_bench.py", "test_orchestration.py", "test_rollout.py", "test_transient.py")
 
 
 def pytest_configure(config):
