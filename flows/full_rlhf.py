@@ -32,6 +32,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from pathlib import Path
 
+import yaml
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
@@ -66,6 +67,10 @@ class OverrideRefused(ValueError):
     """A deployment run's config changes fields that only the deployment sets."""
 
 
+class DeploymentChanged(ValueError):
+    """The server's copy of a deployment differs from the deployments installed on the worker."""
+
+
 def automatic_retries_in_a_row(states) -> int:
     """Automatic crash retries since the run was last scheduled by anything else (created, or retried by hand)."""
     count = 0
@@ -83,8 +88,49 @@ def artifact_root_for(config: PipelineConfig, settings: Settings) -> str:
     return root if "://" in root else str(Path(root).expanduser().resolve())
 
 
+def installed_deployment(path: Path, name: str) -> dict:
+    """Deployment `name` as the deployments file installed on this worker defines it."""
+    try:
+        deployments = (yaml.safe_load(path.read_text()) or {}).get("deployments") or []
+    except (OSError, yaml.YAMLError, AttributeError) as error:
+        raise DeploymentChanged(f"cannot read the installed deployments {path} (RLHF_DEPLOYMENTS_FILE): "
+                                f"{getattr(error, 'strerror', None) or error}") from error
+    for deployment in deployments:
+        if isinstance(deployment, dict) and deployment.get("name") == name:
+            return deployment
+    raise DeploymentChanged(f"deployment {name} is not one of {path} (the deployments installed on this worker, "
+                            "RLHF_DEPLOYMENTS_FILE): not running a deployment the installed project does not define")
+
+
+def differing_keys(ours, theirs, where: str) -> list[str]:
+    """Dotted paths at which two JSON-like values differ (values never shown: they may hold credentials)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return [found for key in sorted(set(ours) | set(theirs), key=str)
+                for found in differing_keys(ours.get(key), theirs.get(key), f"{where}.{key}")]
+    return [] if ours == theirs else [where]
+
+
+def check_deployment(deployment, run_job_variables: dict, settings: Settings) -> None:
+    """The server's copy of the run's deployment (parameters, job variables) is the installed one, and the run sets
+    no job variable of its own: any API user may change the server's copy, and the worker takes from it what runs."""
+    installed = installed_deployment(settings.deployments_file, deployment.name)
+    job_variables = (installed.get("work_pool") or {}).get("job_variables") or {}
+    changed = (differing_keys(installed.get("parameters") or {}, deployment.parameters or {}, "parameters")
+               + differing_keys(job_variables, deployment.job_variables or {}, "job_variables"))
+    if changed:
+        raise DeploymentChanged(
+            f"deployment {deployment.name} on the server differs from {settings.deployments_file} at "
+            f"{', '.join(changed)}: not running it. Only `prefect deploy` from the installed project sets a "
+            "deployment; deploy again to undo the change (and find who made it)")
+    own = sorted(key for key, value in (run_job_variables or {}).items() if job_variables.get(key) != value)
+    if own:
+        raise OverrideRefused(f"this run of deployment {deployment.name} sets job variables {', '.join(own)}: what "
+                              "a run executes and its environment are fixed by the work pool and the deployment")
+
+
 def check_run(config: PipelineConfig, settings: Settings) -> None:
-    """Refuse a crash loop, and a deployment run whose config changes more than RunOverride fields."""
+    """Refuse a crash loop, a deployment changed on the server, and a deployment run that sets job variables or
+    changes more config fields than the RunOverride ones."""
     flow_run = get_run_context().flow_run
     with get_client(sync_client=True) as client:
         retries = automatic_retries_in_a_row(client.read_flow_run_states(flow_run.id))
@@ -93,6 +139,7 @@ def check_run(config: PipelineConfig, settings: Settings) -> None:
         raise CrashLoop(f"crashed and was retried automatically {retries} times in a row (RLHF_MAX_CRASH_RETRIES="
                         f"{settings.max_crash_retries}); not running again: find the cause, then retry by hand")
     if deployment is not None:
+        check_deployment(deployment, flow_run.job_variables, settings)
         deployed = validate_pipeline(deployment.parameters["config"], f"deployment {deployment.name}'s config")
         refused = refused_overrides(deployed, config)
         if refused:

@@ -6,10 +6,14 @@ Run it before the first `prefect deploy` (which insists on an existing work pool
 as a build step (prefect.yaml), so the automations follow the deployments. Idempotent: existing automations are
 updated in place, never duplicated.
 
-- Work pool `rlhf-process` (process type), created if missing.
+- Work pool `rlhf-process` (process type), created if missing, its base job template set to `job_template()`: the
+  command a flow run executes, its environment and working directory are fixed by the pool, not variables a
+  deployment or a run may set (Prefect's default process template takes `command` and `env` from each run's job
+  variables: any API user could have the worker run any command with its credentials).
 - `rlhf-crash-zombie-runs`: a full-rlhf flow run that stops sending heartbeats (its worker or process was
   killed, the machine lost) without reaching a final state is marked Crashed after RLHF_ZOMBIE_AFTER_S, so the UI
-  offers Retry. Flow runs send heartbeats every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (prefect.yaml sets it).
+  offers Retry. Flow runs send heartbeats every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (the pool's template sets
+  it).
 - With `--retry-crashed full-rlhf/llama3-8b`: `rlhf-retry-crashed-llama3-8b` puts a crashed run of that
   deployment back to Scheduled (AwaitingRetry), as the UI's Retry does: finished stages come back cached and the
   crashed stage re-attaches to its Ray job or resumes from its checkpoint. The flow refuses to run again after
@@ -24,7 +28,7 @@ from datetime import timedelta
 
 from prefect.automations import Automation
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
@@ -38,6 +42,8 @@ ZOMBIE_AUTOMATION = "rlhf-crash-zombie-runs"
 RETRY_AUTOMATION_PREFIX = "rlhf-retry-crashed-"
 # The message of the state an automatic retry sets; the flow counts these to stop a crash loop.
 AUTO_RETRY_MESSAGE = "Retried automatically after a crash (rlhf-retry-crashed)"
+# Every flow run's environment beyond the worker's own: heartbeats every 30 s, which the zombie automation watches.
+FLOW_RUN_ENV = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
 FINAL_FLOW_RUN_EVENTS = {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")}
 
 
@@ -98,18 +104,36 @@ def _save(automation: Automation) -> str:
     return f"updated automation {automation.name}"
 
 
-def ensure_work_pool(name: str = WORK_POOL) -> str:
+def job_template() -> dict:
+    """Prefect's process template with the command (None: the worker's own `python -m prefect.engine`), the
+    environment and the working directory (None: the deployment's pull step sets it) written into the job
+    configuration; the variables left (name, labels, stream_output) cannot change what runs, and the server refuses
+    any other job variable (additionalProperties false) of a deployment or a run."""
     from prefect.workers.process import ProcessWorker
 
+    template = ProcessWorker.get_default_base_job_template()
+    template["job_configuration"].update(command=None, env=dict(FLOW_RUN_ENV), working_dir=None)
+    variables = template["variables"]
+    for fixed in ("command", "env", "working_dir"):
+        variables["properties"].pop(fixed)
+    variables["additionalProperties"] = False
+    return template
+
+
+def ensure_work_pool(name: str = WORK_POOL) -> str:
+    """The pool, created with `job_template()`; an existing pool (made by hand with Prefect's default template, or
+    changed since) has its template set back."""
+    template = job_template()
     with get_client(sync_client=True) as client:
         try:
-            client.read_work_pool(name)
-            return f"work pool {name} exists"
+            pool = client.read_work_pool(name)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(
-                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
-            ))  # fmt: skip
+            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
             return f"created work pool {name}"
+        if pool.base_job_template == template:
+            return f"work pool {name} exists"
+        client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
+        return f"work pool {name}: base job template set (command, env and working_dir fixed, no other job variable)"
 
 
 def setup_server(retry_crashed: list[str] = ()) -> list[str]:

@@ -40,6 +40,12 @@ class Settings(StoreSettings):
         description="Stage staging dirs (config, output/, ckpt/); must be visible to the Prefect worker "
         "and every Ray node, i.e. local or a shared filesystem (RLHF_WORKSPACE_ROOT).",
     )
+    deployments_file: Path = Field(
+        PROJECT_ROOT / "prefect.yaml",
+        description="The deployments as installed on this worker: a deployment's run refuses to start when the "
+        "server's copy of its parameters or job variables differs from this file's (any API user can change "
+        "the server's) (RLHF_DEPLOYMENTS_FILE).",
+    )
     gpu_memory_gib: float = Field(
         80.0, gt=0,
         description="Memory of one GPU of the cluster, for the plan's per-GPU memory table and fit check "
@@ -120,7 +126,7 @@ class Settings(StoreSettings):
         ge=40,
         description="A flow run of a deployment that sent no heartbeat for this long is marked Crashed (so the "
         "UI offers Retry) by the automation `python -m flows.server_setup` creates; keep it above twice the "
-        "flow runs' PREFECT_FLOWS_HEARTBEAT_FREQUENCY (30 s in prefect.yaml) (RLHF_ZOMBIE_AFTER_S).",
+        "flow runs' PREFECT_FLOWS_HEARTBEAT_FREQUENCY (30 s, the work pool's template) (RLHF_ZOMBIE_AFTER_S).",
     )
     max_crash_retries: int = Field(
         2,

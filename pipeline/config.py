@@ -6,9 +6,9 @@ promotion gate, and one section per stage (stages/config.py); loaded from the pr
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
 from stages.config import (
     ConfigError,
@@ -16,6 +16,7 @@ from stages.config import (
     StrictModel,
     deep_merge,
     preset_data,
+    preset_names,
     preset_path,
     preset_sections,
     resolve_extends,
@@ -23,7 +24,7 @@ from stages.config import (
 )
 from stages.dpo.config import DPOConfig
 from stages.evaluate.config import EvaluateConfig
-from stages.fields import RunOverride, fields_with, names_with
+from stages.fields import FILES_MAY_BE_READ, FileValued, RunOverride, fields_with, files_may_be_read, names_with
 from stages.kto.config import KTOConfig
 from stages.registry import STAGES
 from stages.reward_model.config import RewardModelConfig
@@ -159,7 +160,7 @@ class PipelineConfig(StrictModel):
     """One full-rlhf run (the stages of its shape, then evaluation and the gate) and where its artifacts go; a
     preset's schema."""
 
-    extends: str | None = Field(
+    extends: Annotated[str | None, FileValued(installed=preset_names)] = Field(
         None,
         description="preset (name or YAML path) this config starts from: its own keys are merged over the preset's, "
         "a stage section key by key; resolved as the config is read (a preset that extends another names its own "
@@ -190,9 +191,11 @@ class PipelineConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _extends_a_preset(cls, data):
+    def _extends_a_preset(cls, data, info: ValidationInfo):
         # A deployment's `config` parameter is its preset verbatim, `extends:` included (a preset's name only).
-        return resolve_extends(data, "config", presets_only=True) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return resolve_extends(data, "config", presets_only=not files_may_be_read(info))
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -257,14 +260,17 @@ def load_preset(name_or_path: str) -> dict:
 
 
 def load_pipeline_config(name_or_path: str, overrides: dict | None = None) -> PipelineConfig:
-    """A preset with `overrides` merged into it (nested dicts merge, e.g. {"rl": {"seed": 1}}), validated."""
-    return validate_pipeline(deep_merge(load_preset(name_or_path), overrides or {}), str(preset_path(name_or_path)))
+    """A preset with `overrides` merged into it (nested dicts merge, e.g. {"rl": {"seed": 1}}), validated; the files
+    its fields name (an eval suite) are read."""
+    return validate_pipeline(deep_merge(load_preset(name_or_path), overrides or {}), str(preset_path(name_or_path)),
+                             files_may_be_read=True)
 
 
-def validate_pipeline(data: dict, where: str) -> PipelineConfig:
-    """`data` as a PipelineConfig; ConfigError naming `where` and each failing stage.field otherwise."""
+def validate_pipeline(data: dict, where: str, files_may_be_read: bool = False) -> PipelineConfig:
+    """`data` as a PipelineConfig; ConfigError naming `where` and each failing stage.field otherwise. Without
+    `files_may_be_read` (a run's parameters), a string where a file could be named is refused unread."""
     try:
-        return PipelineConfig.model_validate(data)
+        return PipelineConfig.model_validate(data, context=FILES_MAY_BE_READ if files_may_be_read else None)
     except ValidationError as error:
         lines = validation_messages(error, lambda loc: ".".join(str(part) for part in loc))
         raise ConfigError(f"{where}: " + "; ".join(lines)) from error

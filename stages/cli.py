@@ -17,6 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from stages.config import ConfigError, StageConfig, preset_names, stage_values, validation_messages
+from stages.fields import FILES_MAY_BE_READ
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -140,7 +141,7 @@ def parse_stage_args(model_cls: type[StageConfig], argv: list[str] | None = None
         return f"--{field}" if field in flags or not where else f"{prefix}{field} in {where}"
 
     try:
-        cfg = model_cls.model_validate(values)
+        cfg = model_cls.model_validate(values, context=FILES_MAY_BE_READ)
     except ValidationError as error:
         parser.error("\n".join(validation_messages(error, name_of)))
     missing = cfg.missing_inputs() if require_inputs else []

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from infra.secrets import url_credentials_refusal
 from stages.fields import (
-    LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, RUN_OVERRIDE_KEEPING_CHECKPOINTS, Dataset, GpuOnly,
-    ModelPath,
+    LAUNCHER, NOT_TRAINING, OUTPUT, REWARD_SOURCE, RUN_OVERRIDE, RUN_OVERRIDE_KEEPING_CHECKPOINTS, Dataset, FileValued,
+    GpuOnly, ModelPath, fields_with, files_may_be_read,
 )  # fmt: skip
 from stages.fingerprint import mixture_parts
 
@@ -56,6 +56,26 @@ class StrictModel(BaseModel):
     # Validation errors never repeat the input: a config holds URLs and paths that may carry credentials, and the
     # errors reach logs, flow run states and the UI.
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_file_read_for_parameters(cls, data, info: ValidationInfo):
+        # Before any field's own validator may open the file a string names (stages/fields.py, FileValued): a run's
+        # parameters on the worker would otherwise have its files read (quoted in errors, /dev/zero, FIFOs).
+        if not isinstance(data, dict) or files_may_be_read(info):
+            return data
+        for name, role in fields_with(cls, FileValued).items():
+            value = data.get(name)
+            if isinstance(value, str) and value not in role.installed():
+                raise ValueError(f"{name} is a string, which would name a file to read: the config of a run holds "
+                                 f"values only{_installed_names(role)}; files are read only from a preset, a "
+                                 "--config file or a command line")
+        return data
+
+
+def _installed_names(role: FileValued) -> str:
+    names = role.installed()
+    return f" (or one of the install's {', '.join(names)})" if names else ""
 
 
 # ---------------------------------------------------------------- fields repeated with stage-specific defaults

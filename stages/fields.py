@@ -4,7 +4,8 @@ Everything that treats fields by what they are derives its list from these decla
 and reward files are fingerprinted, outputs left out), checkpoint ownership (fields that do not change training
 left out), the plan (schemas of datasets, placeholders for outputs), path resolution (local paths made absolute),
 the rehearsal (model stand-ins by kind, dataset fixtures, CPU values) and the once-per-run notes about flags that
-cannot act on CPU, and the fields a deployment run may set otherwise than its deployment (`RunOverride`). A new
+cannot act on CPU, the fields a deployment run may set otherwise than its deployment (`RunOverride`), and those whose
+string names a file that only a person's own config may have read (`FileValued`). A new
 dataset field needs nothing but its `Dataset(...)` role to enter all of them.
 
     dataset: Annotated[str | None, Dataset(split="dataset_split")] = Field(None, description="...")
@@ -12,10 +13,11 @@ dataset field needs nothing but its `Dataset(...)` role to enter all of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationInfo
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,24 @@ class GpuOnly:
 
     cpu_value: Any
     why: str
+
+
+@dataclass(frozen=True)
+class FileValued:
+    """A string here names a file whose content is the value (a YAML suite, a preset to extend). Files are read only
+    where a person's own files are loaded (a preset, a --config file, a command line: validation with
+    `FILES_MAY_BE_READ` as its context); anywhere else (a deployment run's parameters, a job's config) the string is
+    refused before anything opens it. `installed`: names of things the install ships (presets), accepted anywhere."""
+
+    installed: Callable[[], list[str]] = list
+
+
+# Validation context under which FileValued fields may read the file a string names.
+FILES_MAY_BE_READ = {"files_may_be_read": True}
+
+
+def files_may_be_read(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("files_may_be_read"))
 
 
 REWARD_SOURCE, OUTPUT, LAUNCHER, NOT_TRAINING = RewardSource(), Output(), Launcher(), NotTraining()

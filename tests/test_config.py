@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shlex
+import threading
 
 import pytest
 import yaml
 
-from pipeline.config import PipelineConfig, load_pipeline_config, load_preset
+from pipeline.config import PipelineConfig, load_pipeline_config, load_preset, validate_pipeline
 from pipeline.identity import stage_identity
 from stages.cli import build_parser, parse_stage_args
 from stages.config import CONFIG_DIR, ConfigError
@@ -458,6 +460,45 @@ def test_a_preset_extends_another_section_by_section(tmp_path):
     with pytest.raises(ConfigError, match="unknown field rl.actor_lr"):
         load_pipeline_config(str(tmp_path / "typo.yaml"))
 
+
+
+def test_no_field_of_a_run_config_has_a_file_read(tmp_path):
+    """Every field of every section set to a FIFO's path, in a run's parameters: validation ends at once (opening a
+    FIFO to read it waits for a writer forever), and the fields whose string names a file to read (eval_suite,
+    extends) are refused, naming the field, with nothing of the file in the message; from a --config file or a
+    preset, the same suite file is read."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    base = load_preset("tiny")
+    cases = [({**base, key: str(fifo)}, key) for key in PipelineConfig.model_fields if key not in STAGES]
+    cases += [({**base, stage: {**base[stage], field: str(fifo)}}, f"{stage}.{field}")
+              for stage in STAGES for field in STAGES[stage].model_fields]
+    refused = []
+
+    def validate_all():
+        for data, where in cases:
+            try:
+                PipelineConfig.model_validate(data)
+            except ValueError as error:
+                if "which would name a file to read" in str(error) or "not a file" in str(error):
+                    refused.append(where)
+
+    worker = threading.Thread(target=validate_all, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), f"validation opened a file: stuck after {len(refused)} refusals"
+    assert sorted(refused) == ["evaluate.eval_suite", "extends"]
+    with pytest.raises(ValueError, match=r"evaluate: eval_suite is a string, which would name a file to read: the "
+                                         r"config of a run holds values only; files are read only from a preset"):
+        validate_pipeline({**base, "evaluate": {**base["evaluate"], "eval_suite": "/dev/zero"}}, "run")
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("- {name: gsm8k, format: gsm8k, n_samples: 0}\n")
+    cfg = parse_stage_args(STAGES["evaluate"], ["--eval_suite", str(suite)], require_inputs=False)
+    assert [b.name for b in cfg.eval_suite] == ["gsm8k"]
+    preset = tmp_path / "mine.yaml"
+    preset.write_text(f"extends: tiny\nname: mine\nevaluate:\n  eval_suite: {suite}\n")
+    assert [b.name for b in load_pipeline_config(str(preset)).evaluate.eval_suite] == ["gsm8k"]
 
 
 def test_a_config_parameter_extends_presets_by_name_and_never_has_a_file_read(tmp_path):

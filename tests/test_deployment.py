@@ -88,7 +88,7 @@ def test_deployment_parameters_are_the_presets():
         assert deployment["parameters"]["config"] == preset, f"prefect.yaml {name}: differs from configs/{name}.yaml"
         assert deployment["entrypoint"] == "flows/full_rlhf.py:full_rlhf"
         assert deployment["work_pool"]["name"] == POOL
-        assert deployment["work_pool"]["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+        assert "job_variables" not in deployment["work_pool"]  # the pool's template fixes them (flows/server_setup.py)
 
 
 class SocketAudit(threading.Thread):
@@ -667,6 +667,7 @@ def approval_deployments(tmp: Path) -> Path:
         config["rl"]["actor_learning_rate"] = learning_rate
         config["tiny_assets_dir"] = str(tmp / "tiny-assets")
         deployments.append({**tiny, "name": name, "parameters": {"config": config}})
+    deployments.append(tiny)  # its worker runs tiny too (RLHF_DEPLOYMENTS_FILE names this file)
     path = tmp / "prefect.yaml"
     path.write_text(yaml.safe_dump({"name": "rlhf-flow-approvals", "prefect-version": prefect_yaml()["prefect-version"],
                                     "deployments": deployments}))
@@ -699,14 +700,15 @@ def approval_runs(stack, tmp_path_factory, test_output_dir):
     if not (shutil.which("chromium") and shutil.which("chromedriver")):
         pytest.skip("chromium and chromium-driver are not installed (.ci/run installs them)")
     tmp = tmp_path_factory.mktemp("approvals")
-    stack.cli("--no-prompt", "deploy", "--all", "--prefect-file", str(approval_deployments(tmp)))
+    deployments_file = approval_deployments(tmp)
+    stack.cli("--no-prompt", "deploy", "--all", "--prefect-file", str(deployments_file))
     record: dict = {"root": tmp / "artifacts"}
     with LocalRayHead(num_cpus=2, auth_mode="disabled") as head:
         worker, worker_log = stack.start_worker("toy-worker", {
             "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages", "RLHF_RAY_ADDRESS": head.address,
             "RLHF_RAY_AUTH_MODE": "disabled", "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"),
             "RLHF_ARTIFACT_ROOT": str(record["root"]), "RLHF_RESULT_STORAGE": str(tmp / "results"),
-            "RLHF_POLL_INTERVAL_S": "0.5", "RLHF_MAX_RETRIES": "0"})  # fmt: skip
+            "RLHF_POLL_INTERVAL_S": "0.5", "RLHF_MAX_RETRIES": "0", "RLHF_DEPLOYMENTS_FILE": str(deployments_file)})  # fmt: skip
         browser = chromium()
         try:
             run = stack.run_deployment("full-rlhf/tiny-approval", {})
@@ -758,3 +760,86 @@ def test_a_deployment_run_may_not_change_what_only_its_deployment_sets(approval_
     message = approval_runs["refused"].state.message
     assert "changes gate.min_accuracy_gain, evaluate.remote_rm_url: only the deployment sets them" in message, message
     assert "a run may set " in message and "max_samples" in message
+
+
+# ---------------------------------------------------------------------------------------------- what a run may change
+
+@pytest.fixture(scope="module")
+def refused_runs(stack, tmp_path_factory):
+    """Runs of full-rlhf/tiny as an API user could create them: with job variables, after a PATCH of the
+    deployment's parameters, with file paths where the config takes values; each refused before anything runs."""
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    tmp = tmp_path_factory.mktemp("refused")
+    canary, fifo = tmp / "CANARY", tmp / "fifo"
+    os.mkfifo(fifo)
+    record: dict = {"canary": canary, "created": {}, "refused_at_creation": {}}
+    worker, worker_log = stack.start_worker("refusing-worker", {
+        "RLHF_STAGE_MODULE_PREFIX": "tests.fake_stages", "RLHF_WORKSPACE_ROOT": str(tmp / "workspace"),
+        "RLHF_ARTIFACT_ROOT": str(tmp / "artifacts"), "RLHF_RESULT_STORAGE": str(tmp / "results"),
+        "RLHF_MAX_RETRIES": "0"})  # fmt: skip
+    tiny_config = yaml.safe_load((CONFIG_DIR / "tiny.yaml").read_text())
+    try:
+        with stack.client() as client:
+            deployment = client.read_deployment_by_name("full-rlhf/tiny")
+            record["pool"] = client.read_work_pool(POOL).base_job_template
+            for name, job_variables in (("command", {"command": f"touch {canary}"}),
+                                        ("env", {"env": {"RLHF_REWARD_DIRS": "/", "PYTHONPATH": str(tmp)}})):
+                try:
+                    run = client.create_flow_run_from_deployment(deployment.id, job_variables=job_variables)
+                    record["created"][name] = run.id
+                except PrefectHTTPStatusError as error:
+                    record["refused_at_creation"][name] = error.response.text
+            record["created"]["stream_output"] = client.create_flow_run_from_deployment(
+                deployment.id, job_variables={"stream_output": False}).id
+            for name, value in (("fifo", str(fifo)), ("dev_zero", "/dev/zero")):
+                # The server's check of the parameters' schema would refuse a string here; any API user may ask
+                # it not to check.
+                config = {**tiny_config, "evaluate": {**tiny_config["evaluate"], "eval_suite": value}}
+                response = client.request("POST", "/deployments/{id}/create_flow_run", path_params={"id": deployment.id},
+                                          json={"parameters": {"config": config}, "enforce_parameter_schema": False})
+                record["created"][name] = response.json()["id"]
+            for name in list(record["created"]):
+                record[name] = stack.wait_for(record["created"][name], {StateType.FAILED}, timeout_s=300,
+                                              logs=worker_log)
+            # A PATCH of the deployment's parameters: a looser gate.
+            patched = {**tiny_config, "gate": {**tiny_config["gate"], "min_prompts": 1}}
+            client.update_deployment(deployment.id, DeploymentUpdate(parameters={"config": patched}))
+            try:
+                run = client.create_flow_run_from_deployment(deployment.id)
+                record["patched"] = stack.wait_for(run.id, {StateType.FAILED}, timeout_s=300, logs=worker_log)
+            finally:
+                client.update_deployment(deployment.id, DeploymentUpdate(parameters=deployment.parameters))
+    finally:
+        stop_process(worker)
+    yield record
+
+
+def test_the_work_pool_fixes_what_a_run_executes(refused_runs):
+    """The pool was made by hand with Prefect's default template (the stack fixture); deploy's build step set the
+    command, the environment and the working directory, and the server refuses job variables that would set them."""
+    configuration = refused_runs["pool"]["job_configuration"]
+    assert configuration["command"] is None and configuration["working_dir"] is None
+    assert configuration["env"] == {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+    assert refused_runs["pool"]["variables"]["additionalProperties"] is False
+    assert set(refused_runs["refused_at_creation"]) >= {"command", "env"}
+    assert "command" in refused_runs["refused_at_creation"]["command"]
+    assert not refused_runs["canary"].exists()
+    message = refused_runs["stream_output"].state.message
+    assert "sets job variables stream_output: what a run executes and its environment are fixed" in message, message
+
+
+def test_a_deployment_patched_on_the_server_is_refused(refused_runs):
+    message = refused_runs["patched"].state.message
+    assert "deployment tiny on the server differs from" in message and "prefect.yaml at " in message, message
+    assert "parameters.config.gate.min_prompts: not running it" in message
+
+
+@pytest.mark.parametrize("case", ["fifo", "dev_zero"])
+def test_a_suite_path_in_a_runs_config_is_refused_without_reading_it(refused_runs, case):
+    """Prefect validates the parameters in the flow run's process before the flow starts: the FIFO would hold it
+    there forever, /dev/zero would fill its memory."""
+    run = refused_runs[case]
+    assert "config.evaluate: Value error, eval_suite is a string, which would name a file to read" in run.state.message
+    assert (run.end_time - run.start_time).total_seconds() < 60

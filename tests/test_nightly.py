@@ -29,6 +29,7 @@ from pipeline.config import (
     refused_overrides,
     shape_inputs,
 )
+from infra.settings import get_settings
 from pipeline.gate import check_gate
 from pipeline.identity import stage_identity
 from pipeline.memory import CONTEXT_BYTES, GIB, ModelShape, frozen_memory, rl_memory, trained_memory
@@ -154,6 +155,31 @@ def test_a_gate_on_intervals_refuses_a_gain_or_a_regression_within_noise():
     bare = {k: v for k, v in report.items() if "_vs_" not in k}
     passed, reasons = check_gate(bare, PromotionGate(**gate, decide_on_intervals=True), production_version=None)
     assert not passed and "without the interval decide_on_intervals needs" in reasons[0]
+
+
+def test_a_deployment_is_run_only_as_the_installed_prefect_yaml_defines_it(tmp_path):
+    """The server's copy of a deployment is compared with prefect.yaml on the worker: a changed parameter or job
+    variable, a deployment the file lacks, and a run's own job variables are refused, naming keys, never values."""
+    from flows.full_rlhf import DeploymentChanged, OverrideRefused, check_deployment
+
+    installed = yaml.safe_load((Path(__file__).resolve().parent.parent / "prefect.yaml").read_text())
+    (tiny,) = [d for d in installed["deployments"] if d["name"] == "tiny"]
+    settings = get_settings()
+    as_deployed = SimpleNamespace(name="tiny", parameters=tiny["parameters"], job_variables={})
+    check_deployment(as_deployed, {}, settings)
+    loosened = {"config": {**tiny["parameters"]["config"], "gate": {**tiny["parameters"]["config"]["gate"],
+                                                                    "min_prompts": 1}}}
+    with pytest.raises(DeploymentChanged, match=r"at parameters.config.gate.min_prompts: not running it") as error:
+        check_deployment(SimpleNamespace(**{**vars(as_deployed), "parameters": loosened}), {}, settings)
+    assert "min_prompts: 1" not in str(error.value)
+    with pytest.raises(DeploymentChanged, match=r"at job_variables.env: not running it"):
+        check_deployment(SimpleNamespace(**{**vars(as_deployed), "job_variables": {"env": {"A": "b"}}}), {}, settings)
+    with pytest.raises(DeploymentChanged, match=r"deployment nightly-2 is not one of .*prefect.yaml"):
+        check_deployment(SimpleNamespace(**{**vars(as_deployed), "name": "nightly-2"}), {}, settings)
+    with pytest.raises(OverrideRefused, match=r"sets job variables command, labels: what a run executes"):
+        check_deployment(as_deployed, {"labels": {"a": "b"}, "command": "sh"}, settings)
+    with pytest.raises(DeploymentChanged, match=r"cannot read the installed deployments .*absent.yaml"):
+        check_deployment(as_deployed, {}, get_settings(deployments_file=tmp_path / "absent.yaml"))
 
 
 def test_what_the_gate_judges_on_is_the_deployments_alone(tmp_path):
