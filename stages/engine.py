@@ -222,7 +222,7 @@ def global_loss_scale(engine, ring_size: int = 1) -> float:
 # <ckpt_path>/step00000050/<tag>/   one DeepSpeed checkpoint per trained model (tag "model", or "actor"/"critic")
 #                                    with every rank's RNG state beside it, and SHA256SUMS.rank<r>.json: the sha256 of
 #                                    each file DeepSpeed may unpickle (its loads use torch.load(weights_only=False)),
-#                                    checked before it loads any
+#                                    checked before it loads any, with what each file's pickle would construct
 # <ckpt_path>/latest_step.json      the newest complete step, written last (a crash mid-save leaves the previous one)
 # <ckpt_path>/fingerprint.json      what the checkpoints trained: stage, config fields that change training, the
 #                                    content of its datasets; a run that does not match may not resume from them
@@ -232,6 +232,11 @@ FINGERPRINT_FILE = "fingerprint.json"
 CHECKSUMS_GLOB = "SHA256SUMS.rank*.json"
 # Files of a checkpoint this project reads itself with torch.load(weights_only=True): no code runs from them.
 READ_WEIGHTS_ONLY = ("rng_rank*.pt", "ema.pt")
+# What DeepSpeed's checkpoints pickle beyond torch's weights-only allow-list (read from the states files of every
+# ZeRO stage and dtype it writes): plain data. Anything else in a states file is refused before DeepSpeed loads it.
+DEEPSPEED_PICKLED = frozenset({"deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                               "deepspeed.runtime.zero.config.ZeroStageEnum",
+                               "deepspeed.utils.tensor_fragment.fragment_address"})
 
 
 class NonFiniteLossError(StageInputError):
@@ -378,10 +383,23 @@ def _record_checksums(folder: Path) -> None:
     dist.barrier()
 
 
+def _code_in_pickle(path: Path) -> str | None:
+    """What in the torch.save file at `path` a weights-only load would refuse (a global outside torch's allow-list
+    and DEEPSPEED_PICKLED, an opcode it does not take, not a torch.save file), read from its pickle's opcodes without
+    running them; None when nothing."""
+    try:
+        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - DEEPSPEED_PICKLED
+    except Exception as error:  # noqa: BLE001 - torch raises several kinds for a file that is not its format
+        return f"not a checkpoint a weights-only load reads ({type(error).__name__}: {str(error)[:200]})"
+    return f"its pickle constructs {', '.join(sorted(unsafe))}, which could run code" if unsafe else None
+
+
 def _verify_checksums(folder: Path) -> None:
     """Before DeepSpeed unpickles anything: the folder holds exactly the files the checksums list, each with its
-    recorded sha256 (every rank checks its share, then all learn what any found). A file planted in the workspace
-    (which every run of the stage key shares) could otherwise run code on resume."""
+    recorded sha256, and no file's pickle names anything but tensors and the plain data DeepSpeed writes
+    (DEEPSPEED_PICKLED); every rank checks its share, then all learn what any found. The sums find damage; the
+    pickle check stands between a file planted in the workspace (which every run of the stage key shares, and
+    whose sums a planter could rewrite) and the code it would run on resume."""
     rank, world = dist.get_rank(), dist.get_world_size()
     recorded: dict[str, str] = {}
     problems: list[str] = []
@@ -398,6 +416,8 @@ def _verify_checksums(folder: Path) -> None:
         problems += [f"{rel}: missing" for rel in sorted(set(recorded) - set(files))]
         problems += [f"{rel}: sha256 differs from the one recorded when it was written" for i, rel in enumerate(files)
                      if i % world == rank and rel in recorded and _sha256(folder / rel) != recorded[rel]]
+    problems += [f"{rel}: {code}" for i, rel in enumerate(files)
+                 if i % world == rank and (code := _code_in_pickle(folder / rel)) is not None]
     found: list[list[str]] = [[] for _ in range(world)]
     dist.all_gather_object(found, problems)
     problems = sorted({problem for share in found for problem in share})

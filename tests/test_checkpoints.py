@@ -97,8 +97,9 @@ def test_a_planted_checkpoint_pickle_is_refused_before_deepspeed_loads_anything(
                                                                                 zero_stage):
     """DeepSpeed loads model and optimizer states with torch.load(weights_only=False): a file replaced or added in
     the workspace (shared by every run of the stage key) ran its code on resume. Each file's sha256 is recorded
-    when saved; a replaced file, a file added where DeepSpeed's loader looks, or a checkpoint without checksums is
-    refused, naming the file, before any is loaded."""
+    when saved, and each file's pickle is read for what it would construct; a replaced file (its sum rewritten or
+    not), a file added where DeepSpeed's loader looks, or a checkpoint without checksums is refused, naming the
+    file, before any is loaded."""
     from types import SimpleNamespace
 
     import torch
@@ -123,9 +124,18 @@ def test_a_planted_checkpoint_pickle_is_refused_before_deepspeed_loads_anything(
     marker = tmp_path / "planted-code-ran"
     original = (folder / states[0]).read_bytes()
     torch.save({"module": Planted(marker)}, folder / states[0])
-    with pytest.raises(StageInputError, match=f"nothing of it was loaded: {re.escape(states[0])}: sha256 differs"):
+    with pytest.raises(StageInputError, match=f"nothing of it was loaded: {re.escape(states[0])}: its pickle "
+                                              f"constructs io.open, which could run code; {re.escape(states[0])}"
+                                              ": sha256 differs"):
         ds.load_checkpoint(engine, ckpt, 1)
     assert not marker.exists()
+    # Whoever can plant a file in the workspace can rewrite its sum too: the pickle itself is refused.
+    rewritten = {**recorded, states[0]: ds._sha256(folder / states[0])}
+    (folder / "SHA256SUMS.rank0.json").write_text(json.dumps(rewritten))
+    with pytest.raises(StageInputError, match=f"loaded: {re.escape(states[0])}: its pickle constructs io.open"):
+        ds.load_checkpoint(engine, ckpt, 1)
+    assert not marker.exists()
+    (folder / "SHA256SUMS.rank0.json").write_text(json.dumps(recorded))
     (folder / states[0]).write_bytes(original)
     extra = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"  # where DeepSpeed's ZeRO loader globs
     torch.save({"optimizer_state_dict": Planted(marker)}, extra)
@@ -173,13 +183,14 @@ def _record_over_two_ranks(rank: int, folder: str, store_path: str, results) -> 
 def test_checksums_list_the_checkpoint_not_another_ranks_temporary_file(tmp_path):
     """Every rank lists the folder before any writes its sums into it: a rank that listed late once recorded another
     rank's temporary file, which was gone by the time the checkpoint was verified (a nightly reward model failed)."""
+    import torch
     import torch.multiprocessing as mp
 
     folder = tmp_path / "model"
     folder.mkdir()
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                  "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
-        (folder / name).write_bytes(name.encode())
+        torch.save({"name": name}, folder / name)
     results = mp.Manager().dict()
     mp.spawn(_record_over_two_ranks, args=(str(folder), str(tmp_path / "store"), results), nprocs=2)
     assert dict(results) == {0: "verified", 1: "verified"}
