@@ -75,6 +75,9 @@ STAGING = "_staging"
 _MAX_BACKOFF_S = 30.0
 ALIASES = "aliases"
 ANY = object()  # set_alias without a compare-and-swap
+# An unreadable alias move record younger than this may still be being written (by a mover that creates, then
+# writes): it is read again until it is this old, and only then skipped as torn.
+MOVE_IN_PROGRESS_S = 10.0
 T = TypeVar("T")
 
 
@@ -745,9 +748,11 @@ class ArtifactStore:
         return self._alias_moves(stage, alias)[0]
 
     def _alias_moves(self, stage: str, alias: str) -> tuple[dict | None, int]:
-        """(the newest readable move record of ``alias``, the newest move number taken). A torn record (its mover
-        crashed or the disk filled between creating and writing it) is skipped with a warning: that move did not
-        happen, and the next one takes the number after it."""
+        """(the newest readable move record of ``alias``, the newest move number taken). Records appear whole
+        (`_create_exclusive`); an unreadable one younger than MOVE_IN_PROGRESS_S (a mover of an older version
+        between its create and its write) is read again until it is that old, then skipped with a warning as torn
+        (its mover crashed or the disk filled): that move did not happen, and the next one takes the number after
+        it. Skipping a record still being written would let a second compare-and-swap from the same version pass."""
         base = f"{self._stage_path(stage)}/{ALIASES}/{_check_name('alias', alias)}"
         self.fs.invalidate_cache()
         try:
@@ -757,31 +762,57 @@ class ArtifactStore:
         moves = sorted(moves, key=lambda p: p.rsplit("/", 1)[-1], reverse=True)
         taken = int(moves[0].rsplit("/", 1)[-1].removesuffix(".json")) if moves else 0
         for path in moves or [f"{base}.json"]:
-            try:
-                raw = self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path))
-            except FileNotFoundError:
-                continue
-            try:
-                record = json.loads(raw)
-                record["version"] = int(record["version"])
-            except (ValueError, KeyError, TypeError) as e:
-                if not moves:  # the pointer file of an older store: nothing to fall back on
-                    raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
-                self.log(f"artifact store: skipping torn alias record {self._uri(path)} ({e}): that move did not "
-                         "happen")
-                continue
-            return record, taken
+            while True:
+                try:
+                    record = self._read_alias_record(path)
+                    break
+                except FileNotFoundError:
+                    record = None
+                    break
+                except (ValueError, KeyError, TypeError) as e:
+                    if not moves:  # the pointer file of an older store: nothing to fall back on
+                        raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
+                    modified = _modified(self._retrying(f"info of {self._uri(path)}", lambda: self.fs.info(path)))
+                    if modified is not None and time.time() - modified < MOVE_IN_PROGRESS_S:
+                        time.sleep(0.2)  # its mover may be between creating and writing it
+                        continue
+                    self.log(f"artifact store: skipping torn alias record {self._uri(path)} ({e}): that move did "
+                             "not happen")
+                    record = None
+                    break
+            if record is not None:
+                return record, taken
         return None, taken
 
+    def _read_alias_record(self, path: str) -> dict:
+        record = json.loads(self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path)))
+        record["version"] = int(record["version"])
+        return record
+
     def _create_exclusive(self, path: str, body: bytes) -> None:
-        """Create ``path`` only if it does not exist (O_EXCL locally, If-None-Match on S3): FileExistsError else."""
+        """Create ``path`` with ``body`` only if it does not exist, whole or not at all: FileExistsError else. On
+        S3 one PUT with If-None-Match; locally a hidden temporary file, synced, then hard-linked to the name (an
+        exclusive create followed by a write would show readers an empty file in between)."""
 
         def create() -> None:
-            with self.fs.open(path, "xb") as f:
+            if not self.is_local:
+                with self.fs.open(path, "xb") as f:
+                    f.write(body)
+                return
+            local = self.fs._strip_protocol(path)
+            tmp = f"{os.path.dirname(local)}/.{os.path.basename(local)}.{uuid.uuid4().hex}.tmp"
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with open(tmp, "xb") as f:
                 f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, local)
+            finally:
+                os.unlink(tmp)
 
         self._retrying(f"create of {self._uri(path)}", create)
-        self._sync_local([path, path.rsplit("/", 1)[0]])  # a claim, an alias move: kept across a power loss
+        self._sync_local([path.rsplit("/", 1)[0]])  # a claim, an alias move: its name kept across a power loss
 
     # ---- reading -----------------------------------------------------------------------------------------
     def _numbers_in(self, pattern: str) -> list[int]:

@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from infra import artifacts
 from infra.artifacts import (
     MANIFEST_NAME,
     AliasMoved,
@@ -257,9 +259,12 @@ def test_a_damaged_version_is_found_before_reuse_and_quarantined(store_root, tmp
     assert store.find_by_stage_key("sft", "key-a") == rebuilt
 
 
-def test_a_torn_alias_record_is_skipped_and_the_next_move_takes_the_number_after_it(store_root, tmp_path):
-    """production's newest move record cut to 0 bytes (its mover crashed between creating and writing it): reads,
-    listings and promotions go on from the move before, saying so; the next move is number 4, after the torn 3."""
+def test_a_torn_alias_record_is_skipped_and_the_next_move_takes_the_number_after_it(store_root, tmp_path,
+                                                                                      monkeypatch):
+    """production's newest move record cut to 0 bytes (its mover crashed between creating and writing it, long
+    ago): reads, listings and promotions go on from the move before, saying so; the next move is number 4, after
+    the torn 3."""
+    monkeypatch.setattr(artifacts, "MOVE_IN_PROGRESS_S", 0.0)
     warnings: list[str] = []
     store = open_store(store_root, "pipe", log=warnings.append)
     for name in "abc":
@@ -273,6 +278,28 @@ def test_a_torn_alias_record_is_skipped_and_the_next_move_takes_the_number_after
     store.set_alias("sft", "production", 3, expected=2)
     record = store.alias_record("sft", "production")
     assert (record["version"], record["previous"], record["move"]) == (3, 2, 4)
+
+
+def test_an_alias_move_record_still_being_written_is_waited_for_not_skipped(store_root, tmp_path):
+    """A mover between creating its record and writing it (as movers did before records were created whole): a
+    compare-and-swap from the version before must wait for the record and refuse, not read past it and also win."""
+    store = open_store(store_root, "pipe")
+    for name in "abc":
+        store.commit("sft", make_source(tmp_path / name, name), config={})
+    store.set_alias("sft", "production", 1)
+    path = f"{store.base}/sft/aliases/production/000002.json"
+    store.fs.pipe_file(path, b"")
+    record = {"alias": "production", "version": 2, "previous": 1, "move": 2, "updated_at": "2026-12-07T00:00:00"}
+    writer = threading.Timer(1.5, lambda: store.fs.pipe_file(path, json.dumps(record).encode()))
+    writer.start()
+    with pytest.raises(AliasMoved, match="not v0001 as expected") as moved:
+        store.set_alias("sft", "production", 3, expected=1)
+    writer.join()
+    assert moved.value.current == 2 and store.get("sft", "production").version == 2
+    # Written whole: no move record is ever seen empty, and no temporary file stays behind.
+    store.set_alias("sft", "production", 3, expected=2)
+    assert sorted(p.rsplit("/", 1)[1] for p in store.fs.ls(path.rsplit("/", 1)[0], detail=False)) == [
+        "000001.json", "000002.json", "000003.json"]
 
 
 def test_versions_are_never_overwritten(store_root, tmp_path):
@@ -440,7 +467,8 @@ def test_a_local_commit_is_flushed_to_disk_and_read_only(tmp_path, monkeypatch):
     manifest = store.commit("sft", make_source(tmp_path / "src", "a"), config={})
     version = Path(store._version_path("sft", 1))
     stage = version.parent
-    assert synced[5:7] == [str(stage / "_claims" / "v0001.json"), str(stage / "_claims")]
+    # The claim's data under a temporary name, then its folder once the name is linked to it.
+    assert synced[5].startswith(str(stage / "_claims" / ".v0001.json.")) and synced[6] == str(stage / "_claims")
     staged, (*moved, manifest_tmp, manifest_folder) = synced[:5], synced[7:]
     assert sorted(path.split("/_staging/")[1].split("/", 1)[1] for path in staged) == sorted(manifest.files)
     assert moved == [str(version / "tokenizer"), str(version)]  # deepest first, before the manifest
