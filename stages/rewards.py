@@ -145,8 +145,8 @@ def _as_values(value: Any, expected: int, source: str, what: str) -> torch.Tenso
             values = value.detach().to("cpu", torch.float32)
         else:
             values = torch.as_tensor(np.asarray(value, dtype=np.float64), dtype=torch.float32)
-    except (TypeError, ValueError) as error:
-        raise RewardFunctionError(f"{source} returned {what} that are not numbers: {error}") from None
+    except (TypeError, ValueError, RecursionError) as error:
+        raise RewardFunctionError(f"{source} returned {what} that are not numbers: {str(error)[:200]}") from None
     if values.dim() == 2 and values.shape[1] == 1:
         values = values[:, 0]
     if values.dim() != 1 or values.numel() != expected:
@@ -172,8 +172,16 @@ def parse_reward_output(output: Any, expected: int, source: str) -> RewardBatch:
         rewards = _as_values(output["rewards"], expected, source, "rewards")
         scores = (_as_values(output["scores"], expected, source, "scores") if output.get("scores") is not None
                   else rewards.clone())
-        for key, value in (output.get("extra_logs") or {}).items():
-            values = torch.as_tensor(np.asarray(value, dtype=np.float64)).float().flatten()
+        logs = output.get("extra_logs") or {}
+        if not isinstance(logs, dict):
+            raise RewardFunctionError(f"{source} returned 'extra_logs' of type {type(logs).__name__}, not a dict of "
+                                      "numbers")
+        for key, value in logs.items():
+            try:
+                values = torch.as_tensor(np.asarray(value, dtype=np.float64)).float().flatten()
+            except (TypeError, ValueError, RecursionError):
+                raise RewardFunctionError(f"{source} returned extra_logs[{str(key)[:80]!r}] that is not a number or "
+                                          "a list of numbers") from None
             if values.numel():
                 extra_logs[str(key)] = float(values.mean())
     else:
@@ -240,7 +248,8 @@ class RemoteReward:
             try:
                 answer = post_json(url, body, self.headers, self.timeout_s)
             # refused, reset, timed out, cut short (IncompleteRead, BadStatusLine), an HTTP error status, not JSON
-            except (OSError, ValueError, http.client.HTTPException) as error:
+            # (or JSON nested deeper than the decoder recurses)
+            except (OSError, ValueError, RecursionError, http.client.HTTPException) as error:
                 errors.append(f"{url}: {type(error).__name__}: {error}")
                 continue
             return parse_reward_output(answer, len(queries), f"reward endpoint {url}")

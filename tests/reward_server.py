@@ -39,6 +39,8 @@ class RewardServer:
                 payload = json.dumps(answer if answer is not None else {"rewards": rewards}).encode()
                 if misbehave == "not json":
                     payload = b"<html>502 Bad Gateway</html>"
+                elif misbehave == "nested":  # JSON deeper than the decoder recurses
+                    payload = b'{"rewards": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 # "truncated": the length promised, half of the body sent, the connection closed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -51,6 +52,10 @@ def test_rewards_come_as_a_list_a_tensor_or_openrlhfs_dict():
         (["yes", "no", "no", "no"], "not numbers"),
         ({"score": [1, 1, 1, 1]}, "without 'rewards'"),
         ({"rewards": [1, 1, 1, 1], "scores": [1, 1]}, "scores of shape (2,)"),
+        ({"rewards": [1, 1, 1, 1], "extra_logs": {"x": "abc"}}, "extra_logs['x'] that is not a number or a list"),
+        ({"rewards": [1, 1, 1, 1], "extra_logs": {"x": [[1], [2, 3]]}}, "extra_logs['x'] that is not a number"),
+        ({"rewards": [1, 1, 1, 1], "extra_logs": [1]}, "'extra_logs' of type list, not a dict of numbers"),
+        ({"rewards": json.loads("[" * 900 + "]" * 900)}, "rewards that are not numbers"),
     ],
 )
 def test_unusable_reward_answers_name_the_source_and_the_index(output, message):
@@ -132,7 +137,7 @@ def test_an_endpoint_answering_the_wrong_length_stops_the_stage(servers):
         RemoteReward([wrong.url], timeout_s=5)(QUERIES, PROMPTS, LABELS)
 
 
-@pytest.mark.parametrize("misbehave", ["truncated", "not json"])
+@pytest.mark.parametrize("misbehave", ["truncated", "not json", "nested"])
 def test_an_answer_cut_short_or_not_json_fails_over_to_the_next_endpoint(servers, misbehave):
     broken, good = servers(misbehave=misbehave), servers()
     batch = RemoteReward([broken.url, good.url], timeout_s=5, backoff_base_s=0.01)(QUERIES, PROMPTS, LABELS)
