@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from infra.artifacts import ArtifactStore
+from infra.artifacts import ArtifactStore, ChecksumError
 from pipeline.config import GateRule, PromotionGate
 from pipeline.identity import StageResult
 from pipeline.report import MODELS, metrics_by_model, metrics_table, model_metric
@@ -56,12 +56,31 @@ class PromotionDecision(BaseModel):
 
 def production_baseline(store: ArtifactStore, policy: StageResult) -> StageResult | None:
     """The policy the candidate must not fall behind: the one `production` points at, or, when that is the
-    candidate itself (nothing changed since it was promoted), the one it replaced. None when there is none."""
+    candidate itself (nothing changed since it was promoted), the one it replaced. None when there is none, or when
+    it is damaged (`intact_version`)."""
     record = store.alias_record(policy.stage, PRODUCTION_ALIAS)
     if record is None:
         return None
     version = record["version"] if record["version"] != policy.version else record.get("previous")
-    return None if version is None else StageResult.from_manifest(store.get(policy.stage, version), reused=True)
+    return None if version is None else intact_version(store, policy.stage, version)
+
+
+def intact_version(store: ArtifactStore, stage: str, version: int) -> StageResult | None:
+    """The production policy `version` if it is as committed (store.verify_for_reuse); else None, the version
+    quarantined and the store's log told why: an evaluation would refuse it every night, and the candidate is
+    judged on its reference alone, its promotion replacing the damaged policy."""
+    why = store.quarantined(stage).get(version)
+    if why is None:
+        manifest = store.get(stage, version)
+        try:
+            store.verify_for_reuse(manifest)
+            return StageResult.from_manifest(manifest, reused=True)
+        except ChecksumError as error:
+            why = f"production policy found damaged: {error}"
+            store.quarantine(stage, version, why)
+    store.log(f"{stage} v{version}, the production policy, is quarantined ({why}): the candidate is judged on its "
+              "reference alone and, if it passes, replaces it")
+    return None
 
 
 def judged_on(gain: float, bounds: list[float | None], gate: PromotionGate) -> tuple[float, str]:

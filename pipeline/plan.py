@@ -36,7 +36,7 @@ from infra.artifacts import ArtifactError, ChecksumError, open_store
 from infra.secrets import Redactor, redact_patterns, url_credentials
 from infra.settings import PROJECT_ROOT, Settings
 from pipeline.config import PipelineConfig, policy_stage, shape_inputs
-from pipeline.gate import PRODUCTION_ALIAS, production_baseline
+from pipeline.gate import PRODUCTION_ALIAS, intact_version, production_baseline
 from pipeline.identity import StageResult, stage_code_version, stage_identity, stage_inputs
 from pipeline.memory import GIB, ModelShape, render, rl_memory
 from pipeline.prepare import prepare
@@ -293,6 +293,8 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
         production = _production(store, config, results) if stage == "evaluate" and store is not None else None
         if production is not None:
             inputs["production_pretrain"] = f"production {production.stage} v{production.version}"
+        elif stage == "evaluate" and store is not None:
+            _note_damaged_production(store, policy_stage(config.shape), notes)
         upstream = stage_inputs(config, stage, results, production)
         shown = section.model_dump(mode="json") | {field: f"<{source}>" for field, source in inputs.items()}
         device = section.device if section.device != "auto" else ("cuda" if cluster.gpus > 0 else "cpu")
@@ -415,6 +417,15 @@ def check_reward_sources(config: PipelineConfig, settings: Settings, problems: l
                                 "is code that every node runs; put it there, or add its folder to RLHF_REWARD_DIRS")
 
 
+def _note_damaged_production(store, stage: str, notes: list[str]) -> None:
+    record = store.alias_record(stage, PRODUCTION_ALIAS)
+    why = store.quarantined(stage).get(record["version"]) if record else None
+    if why is not None:
+        notes.append(f"production: {stage} v{record['version']} is quarantined ({why}): the evaluation scores no "
+                     "production policy, the gate judges the candidate on its reference alone, and a candidate that "
+                     "passes replaces it")
+
+
 def _production(store, config: PipelineConfig, results: dict) -> StageResult | None:
     """The production policy the evaluation will score beside the candidate: the flow's production_policy of a
     reused candidate, or (the candidate will be trained anew) what the alias points at now."""
@@ -422,7 +433,7 @@ def _production(store, config: PipelineConfig, results: dict) -> StageResult | N
     if candidate is not None:
         return production_baseline(store, candidate)
     record = store.alias_record(policy_stage(config.shape), PRODUCTION_ALIAS)
-    return StageResult.from_manifest(store.get(policy_stage(config.shape), record["version"])) if record else None
+    return intact_version(store, policy_stage(config.shape), record["version"]) if record else None
 
 
 def base_model(config: PipelineConfig, stage: str, field: str, wiring: dict[str, dict[str, str]]) -> str | None:

@@ -427,6 +427,28 @@ def test_plan_of_a_gpu_preset_in_seconds(preset, tmp_path):
     assert "no memory estimate" not in out
 
 
+def test_a_damaged_production_policy_is_quarantined_and_named_in_the_plan(tmp_path):
+    """A production version damaged in the store (same size, other bytes) would be refused by the evaluation every
+    night: the plan finds it, quarantines it and says that the candidate is judged on its reference alone."""
+    from infra.artifacts import open_store
+    from tests.conftest import replace_stored
+
+    root = tmp_path / "artifacts"
+    store = open_store(str(root), "llama3-8b")
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "model.safetensors").write_bytes(b"weights " * 64)
+    store.commit("rl", policy, config={})
+    store.set_alias("rl", "production", 1)
+    replace_stored(store.fs, f"{store.fs._strip_protocol(store.get('rl', 1).uri)}/model.safetensors", b"w" * 512)
+    done, _ = run_plan("--preset", "llama3-8b", "--artifact_root", str(root),
+                       env=offline_hub_with_configs(tmp_path / "hf"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "production: rl v1 is quarantined (production policy found damaged: " in done.stdout, done.stdout
+    assert "the gate judges the candidate on its reference alone" in done.stdout
+    assert "model.safetensors: sha256 " in store.quarantined("rl")[1]
+
+
 def test_a_plan_that_does_not_fit_its_gpus_is_refused_naming_the_numbers(tmp_path):
     env = {**offline_hub_with_configs(tmp_path / "hf"), "RLHF_GPU_MEMORY_GIB": "24"}
     done, _ = run_plan("--preset", "llama3-8b", "--artifact_root", str(tmp_path / "artifacts"), env=env)
