@@ -2,18 +2,21 @@
 artifacts, job logs, tracker configs.
 
 Two kinds of redaction, both applied by `Redactor.text`:
-- by value: a variable is secret when its name says so (`*_TOKEN*`, `*SECRET*`, `*_KEY`, `*_KEY_*`, `*PASSWORD*`,
-  `*PASSWD*`, `*CREDENTIAL*`, `*CONNECTION_STRING*`, `*_DSN`, `AWS_*`, `RAY_AUTH_TOKEN`, `PREFECT_API_AUTH_STRING`,
-  `*DATABASE_URL`, `*_CONNECTION_URL`), or when its value is a URL that carries credentials (`REDIS_URL=redis://:pw@h`);
+- by value: a variable is secret when its name says so (`TOKEN`, `*_TOKEN*`, `*SECRET*`, `*_KEY(S)`, `*_KEY_*`,
+  `*APIKEY*`, `*PASSWORD*`, `*PASSWD*`, `*_PASS`, `*PASSPHRASE*`, `*CREDENTIAL*`, `*CONNECTION_STRING*`, `*_DSN`,
+  `*JWT*`, `AWS_*`, `RAY_AUTH_TOKEN`, `*AUTH_STRING` (Prefect's client and server basic auth), `*DATABASE_URL`,
+  `*_CONNECTION_URL`), or when its value is a URL that carries credentials (`REDIS_URL=redis://:pw@h`);
   each such variable's value is replaced wherever it appears, so a job that prints its credentials leaves
   `[redacted AWS_SECRET_ACCESS_KEY]`.
   Values shorter than MIN_SECRET_LENGTH are left alone: `AWS_MAX_ATTEMPTS=3` is no secret, and replacing every "3"
   would make the logs unreadable.
 - by pattern, for secrets no variable of this process holds (a token inside a config value, a credential only the
-  Ray nodes have): the userinfo of URLs (`https://user:pass@host`), credential query parameters (any name holding
-  token, key, secret, password, credential, signature or auth, and OAuth's `code`: `?token=...`, `&api_token=...`,
-  `&client_secret=...`, S3 presigned signatures) and the common token formats (Hugging Face `hf_...`, AWS access key
-  ids `AKIA...`/`ASIA...`, `sk-...`, GitHub `ghp_...`, Slack `xox.-...`, GitLab `glpat-...`).
+  Ray nodes have): the userinfo of URLs (`https://user:pass@host`), credential query, fragment and matrix parameters
+  (any name holding token, key, secret, pass, pw, credential, signature, auth, jwt, session or bearer, and OAuth's
+  `code`: `?token=...`, `&api_token=...`, `#access_token=...`, `;token=...`, S3 presigned signatures),
+  `Authorization:` header values, quoted values of credential keys in JSON or YAML text (`"api_token": "..."`) and
+  the common token formats (Hugging Face `hf_...`, AWS access key ids `AKIA...`/`ASIA...`, `sk-...`, GitHub
+  `ghp_...`, Slack `xox.-...`, GitLab `glpat-...`, JWTs `eyJ....eyJ....`).
 
 A stage process redacts its own output (`redact_streams`) with its own environment: the secrets of the Ray node
 never reach the job log, where the worker's redactor would not know them.
@@ -27,19 +30,34 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-SECRET_NAME = re.compile(r"^(AWS_.*|RAY_AUTH_TOKEN|PREFECT_API_AUTH_STRING|.*DATABASE_URL|.*_CONNECTION_URL|.*_TOKEN"
-                         r"|.*_TOKEN_.*|.*SECRET.*|.*_KEY|.*_KEY_.*|.*PASSWORD.*|.*PASSWD.*|.*CREDENTIAL.*"
-                         r"|.*CONNECTION_STRING.*|.*_DSN|.*_PWD)$")
+SECRET_NAME = re.compile(r"^(AWS_.*|RAY_AUTH_TOKEN|.*AUTH_STRING|.*DATABASE_URL|.*_CONNECTION_URL|(.*_)?TOKENS?"
+                         r"|.*_TOKEN_.*|.*SECRET.*|.*_KEYS?|.*_KEY_.*|.*APIKEY.*|.*PASSWORD.*|.*PASSWD.*|.*_PASS"
+                         r"|.*PASSPHRASE.*|.*CREDENTIAL.*|.*CONNECTION_STRING.*|.*_DSN|.*_PWD|(.*_)?JWT(_.*)?)$")
 MIN_SECRET_LENGTH = 8
 REDACTED = "[redacted]"
-# user:password@ (or a bare token@) between a URL's scheme and its host
-URL_USERINFO = re.compile(r"(?<=://)[^/\s@?#]+@")
+# user:password@ (or a bare token@) between a URL's scheme and its host, up to the authority's last @ (a password
+# may hold a raw @)
+URL_USERINFO = re.compile(r"(?<=://)[^/\s?#]*@")
+# Query, fragment (OAuth's #access_token=) and matrix (;token=) parameters whose name says credential.
 CREDENTIAL_PARAMETER = re.compile(
-    r"(?i)([?&](?:[\w.-]*(?:token|key|secret|passw|pwd|credential|signature|auth)[\w.-]*|sig|code)=)[^&\s#\"']+"
+    r"(?i)([?&#;](?:[\w.-]*(?:token|key|secret|pass|pwd|pw|credential|signature|auth|jwt|session|bearer)[\w.-]*"
+    r"|sig|code)=)[^&;\s#\"']+"
 )
 TOKEN_FORMATS = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-    r"|github_pat_[A-Za-z0-9_]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,})"
+    r"|github_pat_[A-Za-z0-9_]{20,}|xox[abprs]-[A-Za-z0-9-]{10,}|glpat-[A-Za-z0-9_-]{20,}"
+    r"|eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*)"  # a JWT: base64url header.payload.signature
+)
+# An Authorization header's credentials, in an HTTP dump or a repr: `Authorization: Bearer <x>`, `'authorization':
+# '<x>'`.
+AUTHORIZATION_VALUE = re.compile(
+    r"(?i)(\bauthorization[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic|token|digest)\s+)?)[^\s\"',;}]+"
+)
+# A quoted value under a key that names a credential, in JSON or YAML text (`"api_token": "..."`); a tokenizer's
+# special tokens (eos_token, pad_token, ...) are not credentials.
+CREDENTIAL_FIELD = re.compile(
+    r"(?i)([\"']?(?<![\w.-])(?!(?:eos|bos|pad|unk|sep|cls|mask)_token)(?:[\w.-]*[_-])?(?:token|api[_-]?key|apikey|secret"
+    r"|password|passwd|passphrase|credentials?|jwt|bearer)[\"']?\s*[:=]\s*[\"'])[^\"'\n]+"
 )
 
 
@@ -51,6 +69,8 @@ def redact_patterns(text: str) -> str:
     """`text` with URL credentials, credential query parameters and known token formats replaced."""
     text = URL_USERINFO.sub(REDACTED + "@", text)
     text = CREDENTIAL_PARAMETER.sub(lambda m: m.group(1) + REDACTED, text)
+    text = AUTHORIZATION_VALUE.sub(lambda m: m.group(1) + REDACTED, text)
+    text = CREDENTIAL_FIELD.sub(lambda m: m.group(1) + REDACTED, text)
     return TOKEN_FORMATS.sub(REDACTED, text)
 
 

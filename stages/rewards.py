@@ -85,7 +85,8 @@ def post_json(url: str, body: bytes, headers: dict[str, str], deadline_s: float,
                            body=body, headers=headers)  # fmt: skip
         response = connection.getresponse()
         if 300 <= response.status < 400:
-            raise EndpointAnswerError(f"answered {response.status} redirecting to {response.getheader('Location')}: "
+            raise EndpointAnswerError(f"answered {response.status} redirecting to "
+                                      f"{redact_patterns(str(response.getheader('Location')))}: "
                                       "redirects are not followed (the Authorization header would go along)")
         if response.status >= 400:
             raise EndpointAnswerError(f"answered HTTP {response.status} {response.reason}")

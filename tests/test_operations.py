@@ -141,6 +141,10 @@ TOKENS = {"hf": "hf_" + "Q" * 30, "aws": "AKIA" + "Z" * 16, "openai": "sk-" + "x
     f"http://rm.internal/score?api_token={CANARY}&client_secret={CANARY}",
     f"http://rm.internal/score?a=1&access_key={CANARY}",
     f"http://rm.internal/score?refresh-token={CANARY}#x",
+    f"http://rm.internal/score?jwt={CANARY}", f"http://rm.internal/score?pass={CANARY}",
+    f"http://rm.internal/score?pw={CANARY}", f"http://rm.internal/score?session={CANARY}",
+    f"http://rm.internal/score?bearer={CANARY}", f"https://rm.internal/cb#access_token={CANARY}&x=1",
+    f"http://rm.internal/score;token={CANARY}", f"http://user:p@ss{CANARY}@rm.internal/score",
 ])  # fmt: skip
 def test_credentials_in_urls_are_redacted_by_pattern(text):
     redacted = Redactor({}).text(text)  # no variable holds them: the pattern alone finds them
@@ -148,17 +152,34 @@ def test_credentials_in_urls_are_redacted_by_pattern(text):
     assert "rm.internal" in redacted or "10.0.0.5" in redacted or "amazonaws" in redacted
 
 
+@pytest.mark.parametrize("text, redacted", [
+    (f"Authorization: Bearer {CANARY}", "Authorization: Bearer [redacted]"),
+    (f"{{'Authorization': 'Basic {CANARY}'}}", "{'Authorization': 'Basic [redacted]'}"),
+    (f"authorization={CANARY} next", "authorization=[redacted] next"),
+    (f'{{"api_token": "{CANARY}", "n": 1}}', '{"api_token": "[redacted]", "n": 1}'),
+    (f"db:\n  password: '{CANARY}'\n  host: h", "db:\n  password: '[redacted]'\n  host: h"),
+])  # fmt: skip
+def test_header_values_and_credential_fields_are_redacted_by_pattern(text, redacted):
+    assert Redactor({}).text(text) == redacted
+
+
 def test_common_token_formats_and_more_secret_names_are_redacted():
-    text = " ".join(TOKENS.values()) + " hf_short sk-short"
+    jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+    text = " ".join(TOKENS.values()) + f" {jwt} hf_short sk-short"
     redacted = Redactor({}).text(text)
-    assert not any(token in redacted for token in TOKENS.values()) and "hf_short sk-short" in redacted
+    assert not any(token in redacted for token in [*TOKENS.values(), jwt]) and "hf_short sk-short" in redacted
     for name in ("DB_PASSWORD", "PREFECT_API_AUTH_STRING", "DATABASE_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
                  "SMTP_PASSWORD_FILE", "PGPASSWORD", "AZURE_STORAGE_CONNECTION_STRING", "SENTRY_DSN",
-                 "GOOGLE_APPLICATION_CREDENTIALS", "MYSQL_PWD", "HF_TOKEN_PATH"):  # fmt: skip
+                 "GOOGLE_APPLICATION_CREDENTIALS", "MYSQL_PWD", "HF_TOKEN_PATH", "PREFECT_SERVER_API_AUTH_STRING",
+                 "OPENAI_APIKEY", "API_KEYS", "DB_PASS", "SSH_PASSPHRASE", "TOKEN", "JWT", "SERVICE_JWT"):  # fmt: skip
         assert is_secret_name(name), name
         assert CANARY not in Redactor({name: CANARY}).text(f"value {CANARY}")
-    for name in ("TOKENIZERS_PARALLELISM", "PREFECT_API_URL", "RAY_ADDRESS", "KEYBOARD_LAYOUT"):
+    for name in ("TOKENIZERS_PARALLELISM", "PREFECT_API_URL", "RAY_ADDRESS", "KEYBOARD_LAYOUT", "PASSES",
+                 "MAX_TOKENS_PER_BATCH"):
         assert not is_secret_name(name), name
+    # A tokenizer's special tokens and counts of tokens are no credentials.
+    config = '{"eos_token": "</s>", "pad_token": "<pad>", "max_new_tokens": 64, "tokenizer": "gpt2"}'
+    assert Redactor({}).text(config) == config
     # A URL with credentials is secret whatever its variable's name.
     redis = f"redis://:{CANARY}@cache.internal:6379/0"
     assert CANARY not in Redactor({"REDIS_URL": redis}).text(f"connecting to {redis}")
