@@ -145,10 +145,11 @@ def check_run(config: PipelineConfig, settings: Settings) -> None:
         if refused:
             raise OverrideRefused(f"this run of deployment {deployment.name} changes {', '.join(refused)}: only the "
                                   f"deployment sets them; a run may set {', '.join(run_overrides())}")
-        too_low = overrides_out_of_bounds(deployed, config)
-        if too_low:
-            raise OverrideRefused(f"this run of deployment {deployment.name} sets {', '.join(too_low)}: a run may not "
-                                  "turn checkpoints off; the deployment's own parameters may")
+        out_of_bounds = overrides_out_of_bounds(deployed, config)
+        if out_of_bounds:
+            raise OverrideRefused(f"this run of deployment {deployment.name} sets {', '.join(out_of_bounds)}: a run "
+                                  "may not turn checkpoints off or make them rarer; the deployment's own parameters "
+                                  "may")
 
 
 # The flow's own result (small) goes to Prefect's default result storage: PREFECT_LOCAL_STORAGE_PATH, or

@@ -294,13 +294,20 @@ def refused_overrides(deployed: PipelineConfig, requested: PipelineConfig) -> li
 
 
 def overrides_out_of_bounds(deployed: PipelineConfig, requested: PipelineConfig) -> list[str]:
-    """Run overrides set below what a run may set (RunOverride.at_least), as `stage.field=value (at least N)`."""
+    """Run overrides set outside what a run may set (RunOverride.at_least, .at_most_deployed), as
+    `stage.field=value (at least N)` or `(at most N, the deployment's)`."""
     ours, theirs = deployed.model_dump(mode="json"), requested.model_dump(mode="json")
-    return [f"{key}.{field}={theirs[key][field]} (at least {role.at_least})"
-            for key, config_cls in STAGES.items() if key in ours
-            for field, role in fields_with(config_cls, RunOverride).items()
-            if role.at_least is not None and theirs[key][field] != ours[key][field]
-            and theirs[key][field] < role.at_least]  # fmt: skip
+    found = []
+    for key, config_cls in STAGES.items():
+        for field, role in fields_with(config_cls, RunOverride).items():
+            if key not in ours or role.at_least is None or theirs[key][field] == ours[key][field]:
+                continue
+            value, own = theirs[key][field], ours[key][field]
+            if value < role.at_least:
+                found.append(f"{key}.{field}={value} (at least {role.at_least})")
+            elif role.at_most_deployed and own >= role.at_least and value > own:
+                found.append(f"{key}.{field}={value} (at most {own}, the deployment's)")
+    return found
 
 
 def run_overrides() -> list[str]:

@@ -62,10 +62,12 @@ class NotTraining:
 class RunOverride:
     """A deployment run may give it another value than the deployment's own parameters: how much to train and how
     often to checkpoint or log. Everything else (models, data, reward sources, the gate and what it judges on,
-    where artifacts go) only the deployment sets. With `at_least`, a run's value may not go below it (checkpoints
-    cannot be turned off by a run)."""
+    where artifacts go) only the deployment sets. With `at_least`, a run's value may not go below it; with
+    `at_most_deployed`, not above the deployment's own when that is at least `at_least` (a run cannot turn
+    checkpoints off, nor make them rarer than the deployment's)."""
 
     at_least: int | None = None
+    at_most_deployed: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def files_may_be_read(info: ValidationInfo) -> bool:
 
 REWARD_SOURCE, OUTPUT, LAUNCHER, NOT_TRAINING = RewardSource(), Output(), Launcher(), NotTraining()
 RUN_OVERRIDE = RunOverride()
-RUN_OVERRIDE_KEEPING_CHECKPOINTS = RunOverride(at_least=1)
+RUN_OVERRIDE_KEEPING_CHECKPOINTS = RunOverride(at_least=1, at_most_deployed=True)
 Role = TypeVar("Role")
 
 

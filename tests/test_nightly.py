@@ -183,8 +183,8 @@ def test_a_deployment_is_run_only_as_the_installed_prefect_yaml_defines_it(tmp_p
 
 
 def test_what_the_gate_judges_on_is_the_deployments_alone(tmp_path):
-    """A run may not pick the evaluation's seed or prompt count, nor turn checkpoints off; a preset whose evaluation
-    is smaller than the gate's minimum is a problem of the plan."""
+    """A run may not pick the evaluation's seed, prompt count or engine, nor turn checkpoints off or make them
+    rarer; a preset whose evaluation is smaller than the gate's minimum is a problem of the plan."""
     deployed = load_pipeline_config("llama3-8b")
     for section, field, value in [("evaluate", "max_samples", 3), ("evaluate", "seed", 7), ("gate", "min_prompts", 1)]:
         run = load_pipeline_config("llama3-8b", {section: {field: value}})
@@ -194,6 +194,13 @@ def test_what_the_gate_judges_on_is_the_deployments_alone(tmp_path):
     off = load_pipeline_config("llama3-8b", {"rl": {"save_steps": -1}, "dpo": {"save_steps": -1}})
     assert refused_overrides(deployed, off) == []
     assert overrides_out_of_bounds(deployed, off) == ["dpo.save_steps=-1 (at least 1)", "rl.save_steps=-1 (at least 1)"]
+    rare = load_pipeline_config("llama3-8b", {"rl": {"save_steps": 100000}, "sft": {"save_steps": 100}})
+    assert overrides_out_of_bounds(deployed, rare) == [
+        f"rl.save_steps=100000 (at most {deployed.rl.save_steps}, the deployment's)"]  # sft's 100 is more often
+    # Which engine samples the evaluation's answers is the deployment's: another is another draw the gate judges.
+    other_engine = load_pipeline_config("llama3-8b", {"evaluate": {"rollout_backend": "vllm"},
+                                                      "rl": {"rollout_backend": "vllm"}})
+    assert refused_overrides(deployed, other_engine) == ["evaluate.rollout_backend"]
     notes, problems = [], []
     check_gate_sample(load_pipeline_config("llama3-8b", {"evaluate": {"max_samples": 200}}), notes, problems)
     assert problems == ["evaluate.max_samples=200 is below gate.min_prompts=500: no candidate could ever be promoted"]

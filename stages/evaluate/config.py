@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from stages.config import PolicyPath, PromptConfig, RankLayout, max_samples_field
+from stages.config import PolicyPath, PromptConfig, RankLayout, RolloutBackend, max_samples_field
 from stages.evaluate.suite import Benchmark, load_suite, suite_problems
 from stages.fields import NOT_TRAINING, Dataset, FileValued
 
@@ -43,6 +43,10 @@ class EvaluateConfig(RankLayout, PromptConfig):
         8, ge=1, description="ranks per node of the reward model that scores responses (with --reward_pretrain)",
     )
     micro_rollout_batch_size: int = Field(16, ge=1, description="sequences per reward-model forward on one rank")
+    rollout_backend: RolloutBackend = Field(
+        "auto", description="generation engine: vllm, hf (transformers generate), or auto (vllm when installed); "
+        "the deployment's alone: another engine is another draw of the sampled metrics the gate judges",
+    )
     eval_suite: Annotated[list[Benchmark] | None, FileValued()] = Field(
         None, description="benchmarks every model also answers: a YAML file (a list, or a `benchmarks:` list; read "
         "from a command line or a preset file, never from a run's parameters) or the list itself; each with name, dataset, split, format (gsm8k, math, prompts, "
