@@ -22,6 +22,9 @@ from infra.net import is_loopback
 from infra.secrets import is_secret_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The project's own reward and agent files: its configs and its stages' package (a checkout and an installed wheel
+# alike), never the rest of the checkout (the default workspace and artifact root are in it) or of site-packages.
+PROJECT_REWARD_DIRS = (PROJECT_ROOT / "configs", PROJECT_ROOT / "stages")
 
 
 class Settings(StoreSettings):
@@ -144,8 +147,9 @@ class Settings(StoreSettings):
     )
     reward_dirs: Annotated[list[Path], NoDecode] = Field(
         [],
-        description="Comma-separated folders, besides the project, that local reward files (remote_rm_url *.py) "
-        "may be read from: a reward file is code that every node runs (RLHF_REWARD_DIRS).",
+        description="Comma-separated folders, besides the project's configs/ and stages/, that local reward files "
+        "(remote_rm_url *.py) may be read from, outside the workspace and a local artifact root: a reward file is "
+        "code that every node runs (RLHF_REWARD_DIRS).",
     )
 
     @field_validator("job_env_passthrough", "reward_dirs", mode="before")
@@ -198,10 +202,15 @@ class Settings(StoreSettings):
     def _absolute_reward_dirs(cls, dirs: list[Path]) -> list[Path]:
         return [Path(d).expanduser().resolve() for d in dirs]
 
-    def reward_file_allowed(self, path: str | Path) -> bool:
-        """Whether a local reward file lies (symlinks resolved) under the project or a folder of reward_dirs."""
+    def reward_file_allowed(self, path: str | Path, artifact_root: str | None = None) -> bool:
+        """Whether a local reward file lies (symlinks resolved) under the project's own reward and agent folders or
+        a folder of reward_dirs, and outside what jobs write (the workspace root, a local artifact root)."""
         resolved = Path(path).expanduser().resolve()
-        return any(resolved.is_relative_to(folder) for folder in (PROJECT_ROOT, *self.reward_dirs))
+        written_by_jobs = [self.workspace_root, *([Path(artifact_root).expanduser().resolve()]
+                                                  if artifact_root and "://" not in artifact_root else [])]
+        if any(resolved.is_relative_to(folder) for folder in written_by_jobs):
+            return False
+        return any(resolved.is_relative_to(folder) for folder in (*PROJECT_REWARD_DIRS, *self.reward_dirs))
 
     @field_validator("artifact_root", mode="after")
     @classmethod

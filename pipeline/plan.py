@@ -267,7 +267,7 @@ def build_plan(config: PipelineConfig, settings: Settings, ray_address: str | No
     problems: list[str] = []
     notes: list[str] = []
     config, unpinned = pin_hub_sources(config, problems, notes, must_pin=cluster.binding)
-    check_reward_sources(config, settings, problems)
+    check_reward_sources(config, settings, problems, artifact_root)
     check_gate_sample(config, notes, problems)
     wiring = shape_inputs(config.shape)
     unused = [s for s in STAGES if s not in config.stages]
@@ -397,8 +397,10 @@ def pin_hub_sources(config: PipelineConfig, problems: list[str], notes: list[str
     return config.model_copy(update=sections), unpinned
 
 
-def check_reward_sources(config: PipelineConfig, settings: Settings, problems: list[str]) -> None:
-    """Endpoints without credentials in their URLs; reward files from the project or RLHF_REWARD_DIRS only."""
+def check_reward_sources(config: PipelineConfig, settings: Settings, problems: list[str],
+                         artifact_root: str | None = None) -> None:
+    """Endpoints without credentials in their URLs; reward files from the project's configs/ and stages/ or
+    RLHF_REWARD_DIRS only, never from where jobs write."""
     for stage in config.stages:
         section = config.section(stage)
         for field in fields_with(type(section), RewardSource):
@@ -412,9 +414,10 @@ def check_reward_sources(config: PipelineConfig, settings: Settings, problems: l
                                     f"({', '.join(found)}); name a variable holding the Authorization header with "
                                     f"{stage}.remote_rm_auth_env")
             path = Path(spec) if Path(spec).is_file() else PROJECT_ROOT / spec  # as the stage resolves it
-            if not urls and spec.endswith(".py") and not settings.reward_file_allowed(path):
-                problems.append(f"{stage}.{field}: {spec} is outside the project and RLHF_REWARD_DIRS: a reward file "
-                                "is code that every node runs; put it there, or add its folder to RLHF_REWARD_DIRS")
+            if not urls and spec.endswith(".py") and not settings.reward_file_allowed(path, artifact_root):
+                problems.append(f"{stage}.{field}: {spec} is outside the project's configs/ and stages/ and "
+                                "RLHF_REWARD_DIRS, or in a folder jobs write (the workspace, the artifact root): a "
+                                "reward file is code that every node runs; put it in a folder of RLHF_REWARD_DIRS")
 
 
 def _note_damaged_production(store, stage: str, notes: list[str]) -> None:

@@ -434,6 +434,30 @@ def test_plan_of_a_gpu_preset_in_seconds(preset, tmp_path):
     assert "no memory estimate" not in out
 
 
+def test_reward_files_come_only_from_the_projects_own_folders_or_reward_dirs_never_where_jobs_write(tmp_path):
+    """The project's configs/ and stages/ and RLHF_REWARD_DIRS; not the rest of the checkout (the default workspace
+    and artifact root are in it), not site-packages, not a workspace or artifact root even inside a listed folder."""
+    from pipeline.plan import check_reward_sources
+
+    shared = tmp_path / "shared"
+    (shared / "workspace").mkdir(parents=True)
+    for path in (shared / "mine.py", shared / "workspace" / "planted.py", shared / "artifacts" / "planted.py"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
+    settings = get_settings(reward_dirs=str(shared), workspace_root=shared / "workspace")
+    checkout_cache = Path(__file__).resolve().parent.parent / ".cache" / "reward.py"
+    cases = {"configs/reward_funcs/math_answer.py": True, str(shared / "mine.py"): True,
+             str(shared / "workspace" / "planted.py"): False, str(shared / "artifacts" / "planted.py"): False,
+             str(checkout_cache): False, yaml.__file__: False}
+    for spec, allowed in cases.items():
+        config = load_pipeline_config("llama3-8b-grpo", {"rl": {"remote_rm_url": spec},
+                                                         "evaluate": {"remote_rm_url": spec}})
+        problems: list[str] = []
+        check_reward_sources(config, settings, problems, artifact_root=str(shared / "artifacts"))
+        assert (problems == []) == allowed, (spec, problems)
+        assert allowed or problems[0].startswith(f"rl.remote_rm_url: {spec} is outside the project's configs/")
+
+
 def test_a_damaged_production_policy_is_quarantined_and_named_in_the_plan(tmp_path):
     """A production version damaged in the store (same size, other bytes) would be refused by the evaluation every
     night: the plan finds it, quarantines it and says that the candidate is judged on its reference alone."""
