@@ -75,6 +75,8 @@ STAGING = "_staging"
 _MAX_BACKOFF_S = 30.0
 ALIASES = "aliases"
 ANY = object()  # set_alias without a compare-and-swap
+MAX_METRIC_NAME = 200
+MAX_METRICS_BYTES = 16 * 2**20  # metrics.json: a few hundred numbers; anything near this was not written as metrics
 # An unreadable alias move record younger than this may still be being written (by a mover that creates, then
 # writes): it is read again until it is this old, and only then skipped as torn.
 MOVE_IN_PROGRESS_S = 10.0
@@ -182,6 +184,12 @@ class Manifest(BaseModel):
     @field_validator("metrics")
     @classmethod
     def _finite_metrics(cls, metrics: dict[str, float | int | str]) -> dict[str, float | int | str]:
+        # Dunder names are the serializers' own (`__exc_type__`, `__class__`): a result holding one would be read
+        # back as something else, or not at all.
+        odd = [name for name in metrics if name.startswith("__") or len(name) > MAX_METRIC_NAME]
+        if odd:
+            raise ValueError(f"metric names {', '.join(repr(name[:80]) for name in odd[:5])}: a name may not start "
+                             f"with __ or be longer than {MAX_METRIC_NAME} characters")
         bad = [name for name, value in metrics.items() if isinstance(value, float) and not math.isfinite(value)]
         if bad:
             raise ValueError(f"non-finite metric{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
@@ -282,6 +290,9 @@ def read_metrics(source: Path) -> dict:
     path = source / "metrics.json"
     if not path.is_file():
         return {}
+    if path.stat().st_size > MAX_METRICS_BYTES:
+        raise ArtifactError(f"{path}: {path.stat().st_size} bytes, over the {MAX_METRICS_BYTES} a stage's metrics "
+                            "may hold: not read")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -935,10 +946,14 @@ class ArtifactStore:
             if sizes[rel] != entry.size:
                 raise ChecksumError(f"{manifest.uri}/{rel}: {sizes[rel]} bytes, the manifest recorded {entry.size}")
 
-    def read_file(self, manifest: Manifest, rel: str) -> bytes:
-        """One file of a committed version, checked against its manifest entry."""
+    def read_file(self, manifest: Manifest, rel: str, max_bytes: int | None = None) -> bytes:
+        """One file of a committed version, checked against its manifest entry; with `max_bytes`, refused unread
+        when its manifest entry is larger (a file a job wrote, parsed by the worker)."""
         if rel not in manifest.files:
             raise ArtifactError(f"{manifest.uri} has no file {rel!r}")
+        if max_bytes is not None and manifest.files[rel].size > max_bytes:
+            raise ArtifactError(f"{manifest.uri}/{rel} holds {manifest.files[rel].size} bytes, over the "
+                                f"{max_bytes} read of it: not read")
         fs, path = self._fs_for(manifest.uri)
         data = self._retrying(f"read of {manifest.uri}/{rel}", lambda: fs.cat_file(f"{path}/{rel}"))
         _check_file(f"{manifest.uri}/{rel}", manifest.files[rel], len(data), hashlib.sha256(data).hexdigest())

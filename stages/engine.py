@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,20 @@ def global_loss_scale(engine, ring_size: int = 1) -> float:
 # <ckpt_path>/fingerprint.json      what the checkpoints trained: stage, config fields that change training, the
 #                                    content of its datasets; a run that does not match may not resume from them
 
+def write_replacing(path: Path, text: str) -> None:
+    """`text` as `path`, whole or not at all: written to a temporary file of a fresh name, created exclusively
+    (the workspace is shared with every job of the stage key: a file or symlink planted at a predictable temporary
+    name is never written through), then renamed over `path` (a symlink there is replaced, not followed)."""
+    descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 LATEST_MARKER = "latest_step.json"
 FINGERPRINT_FILE = "fingerprint.json"
 CHECKSUMS_GLOB = "SHA256SUMS.rank*.json"
@@ -339,9 +354,7 @@ def claim_checkpoints(stage: str, cfg, *, write: bool = True) -> int:
     if not write:
         return step
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_dir / f"{FINGERPRINT_FILE}.tmp"
-    tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
-    os.replace(tmp, ckpt_dir / FINGERPRINT_FILE)
+    write_replacing(ckpt_dir / FINGERPRINT_FILE, json.dumps(fingerprint, indent=1, sort_keys=True))
     return step
 
 
@@ -377,9 +390,7 @@ def _record_checksums(folder: Path) -> None:
     files = _unpickled_files(folder)
     dist.barrier()  # every rank has listed the folder before any writes its temporary sums file into it
     sums = {rel: _sha256(folder / rel) for i, rel in enumerate(files) if i % world == rank}
-    tmp = folder / f".SHA256SUMS.rank{rank}.tmp"
-    tmp.write_text(json.dumps(sums, indent=0))
-    os.replace(tmp, folder / f"SHA256SUMS.rank{rank}.json")
+    write_replacing(folder / f"SHA256SUMS.rank{rank}.json", json.dumps(sums, indent=0))
     dist.barrier()
 
 
@@ -432,9 +443,7 @@ def commit_checkpoint(ckpt_dir: str | os.PathLike, step: int, max_keep: int) -> 
     Called once (rank 0, or the RL driver).
     """
     ckpt_dir = Path(ckpt_dir)
-    tmp = ckpt_dir / f"{LATEST_MARKER}.tmp"
-    tmp.write_text(json.dumps({"step": step}))
-    os.replace(tmp, ckpt_dir / LATEST_MARKER)
+    write_replacing(ckpt_dir / LATEST_MARKER, json.dumps({"step": step}))
     current = step_dir(ckpt_dir, step)
     old = sorted(p for p in ckpt_dir.glob("step*") if p.is_dir() and p != current)
     for path in old[: max(0, len(old) - (max_keep - 1))]:
@@ -484,7 +493,5 @@ def export_hf(engine_or_model, tokenizer, out_dir: str | os.PathLike, extra_conf
 def write_metrics(save_path: str | os.PathLike, metrics: dict) -> None:
     path = Path(save_path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    os.replace(tmp, path / "metrics.json")
+    write_replacing(path / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True))
 

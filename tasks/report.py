@@ -31,6 +31,12 @@ def _report_key(report: StageResult, policy: StageResult) -> str:
     return hashlib.sha256(json.dumps({"evaluate": report.digest, "policy": policy.digest}).encode()).hexdigest()
 
 
+# Files of a job's output the worker parses, read only below these sizes (the evaluation keeps a few answers per
+# prompt; a history is a few hundred numbers a step).
+MAX_SAMPLES_BYTES = 256 * 2**20
+MAX_HISTORY_BYTES = 64 * 2**20
+
+
 @task(name="publish-report", persist_result=True)
 def publish_report(report: StageResult, policy: StageResult, *, artifact_root: str) -> ReportResult:
     """Commit the report (markdown + learning curve) to the store and show it as a Prefect markdown artifact."""
@@ -38,16 +44,16 @@ def publish_report(report: StageResult, policy: StageResult, *, artifact_root: s
     redact = Redactor()
     store = open_store(artifact_root, report.pipeline, log=logger.warning)
     evaluation = store.get(report.stage, report.version)
-    samples = ([json.loads(line) for line in store.read_file(evaluation, SAMPLES_FILE).decode().splitlines()]
-               if SAMPLES_FILE in evaluation.files else [])
+    samples = ([json.loads(line) for line in store.read_file(evaluation, SAMPLES_FILE, MAX_SAMPLES_BYTES)
+                .decode().splitlines()] if SAMPLES_FILE in evaluation.files else [])
     key = _report_key(report, policy)
     committed = store.find_by_stage_key(REPORT_STAGE, key)
     if committed is None:
         policy_store = open_store(artifact_root, policy.pipeline, log=logger.warning)
         policy_manifest = policy_store.get(policy.stage, policy.version)
         try:
-            history = json.loads(policy_store.read_file(policy_manifest, "history.json"))
-        except ArtifactError:  # a policy without history.json: the report has no curve
+            history = json.loads(policy_store.read_file(policy_manifest, "history.json", MAX_HISTORY_BYTES))
+        except ArtifactError:  # a policy without history.json (or one too large to read): the report has no curve
             history = []
         png = learning_curve_png(history, f"{policy.pipeline}/{policy.stage} v{policy.version}")
         with tempfile.TemporaryDirectory() as tmp:

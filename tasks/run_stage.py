@@ -333,12 +333,24 @@ def run_stage(
         # to it would refuse the same output forever. Set it aside; the retry finds no output and runs a new job.
         refused = workspace / f"refused-{job_id}"
         output_dir.rename(refused)
+        _drop_older_refused(workspace)
         raise StageError(redact.text(f"stage {stage}: the output of job {job_id} cannot be committed: {error}; set "
                                      f"aside in {refused}, a retry runs the stage again as a new job")) from error
     progress.finish(metrics.get("steps") if isinstance(metrics.get("steps"), int) else None)
     result = StageResult.from_manifest(manifest)
     _publish(result, logger)
     return result
+
+
+# Set-aside outputs kept for a look, the newest first: a refusal that repeats on every attempt would otherwise keep a
+# model per attempt until the disk fills.
+KEEP_REFUSED = 2
+
+
+def _drop_older_refused(workspace: Path) -> None:
+    refused = sorted(workspace.glob("refused-*"), key=lambda path: path.stat().st_mtime, reverse=True)
+    for path in refused[KEEP_REFUSED:]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def stage_task(settings: Settings | None = None):

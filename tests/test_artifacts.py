@@ -505,7 +505,17 @@ def test_non_finite_metrics_are_refused_at_commit_naming_them(store_root, tmp_pa
     (source / "metrics.json").write_text('{"accuracy": NaN}')  # what json.dumps writes for a NaN
     with pytest.raises(ArtifactError, match="non-finite metric accuracy"):
         store.commit("evaluate", source, config={})
+    # A serializer's own key would make the task result that carries the metrics unloadable.
+    with pytest.raises(ArtifactError, match=r"metric names '__exc_type__': a name may not start with __"):
+        store.commit("evaluate", source, config={}, metrics={"__exc_type__": "builtins.ValueError", "prompts": 1})
+    (source / "metrics.json").write_text('{"prompts": 1, "pad": "' + "x" * (17 * 2**20) + '"}')
+    with pytest.raises(ArtifactError, match=r"metrics.json: \d+ bytes, over the 16777216 a stage's metrics may hold"):
+        store.commit("evaluate", source, config={})
     assert store.versions("evaluate") == []
+    (source / "metrics.json").unlink()
+    committed = store.commit("evaluate", source, config={})
+    with pytest.raises(ArtifactError, match=r"weights-0.bin holds \d+ bytes, over the 4 read of it: not read"):
+        store.read_file(committed, "weights-0.bin", max_bytes=4)
 
 
 def test_an_unreadable_manifest_is_skipped_and_reported_never_fatal(store_root, tmp_path):

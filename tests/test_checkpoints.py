@@ -195,3 +195,22 @@ def test_checksums_list_the_checkpoint_not_another_ranks_temporary_file(tmp_path
     mp.spawn(_record_over_two_ranks, args=(str(folder), str(tmp_path / "store"), results), nprocs=2)
     assert dict(results) == {0: "verified", 1: "verified"}
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
+
+
+def test_workspace_files_are_replaced_whole_never_written_through_a_planted_link(tmp_path):
+    """The workspace is shared by every job of the stage key: a symlink left at the old predictable temporary name
+    (latest_step.json.tmp) or at the file itself is never written through."""
+    from stages.engine import LATEST_MARKER, write_replacing
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("kept")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / f"{LATEST_MARKER}.tmp").symlink_to(outside)
+    write_replacing(ckpt / LATEST_MARKER, '{"step": 3}')
+    assert json.loads((ckpt / LATEST_MARKER).read_text()) == {"step": 3} and outside.read_text() == "kept"
+    (ckpt / LATEST_MARKER).unlink()
+    (ckpt / LATEST_MARKER).symlink_to(outside)
+    write_replacing(ckpt / LATEST_MARKER, '{"step": 4}')
+    assert not (ckpt / LATEST_MARKER).is_symlink() and outside.read_text() == "kept"
+    assert sorted(p.name for p in ckpt.iterdir()) == [LATEST_MARKER, f"{LATEST_MARKER}.tmp"]  # nothing left behind

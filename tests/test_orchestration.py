@@ -215,6 +215,18 @@ def test_a_succeeded_job_whose_output_cannot_be_committed_runs_again_as_a_new_jo
     assert len(refused) == 1 and "NaN" in (refused[0] / "metrics.json").read_text()
 
 
+def test_only_the_newest_set_aside_outputs_are_kept(tmp_path):
+    """A refusal that repeats on every attempt sets aside an output each time: the newest two stay for a look."""
+    from tasks.run_stage import KEEP_REFUSED, _drop_older_refused
+
+    for age, job in enumerate(["d", "c", "b", "a"]):
+        (tmp_path / f"refused-{job}").mkdir()
+        os.utime(tmp_path / f"refused-{job}", (time.time() - 100 * age, time.time() - 100 * age))
+    (tmp_path / "output").mkdir()
+    _drop_older_refused(tmp_path)
+    assert KEEP_REFUSED == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["output", "refused-c", "refused-d"]
+
+
 def test_deadline_stops_the_job(env, monkeypatch):
     monkeypatch.setenv("RLHF_MAX_RETRIES", "0")
     config = ToyConfig(value=5, sleep_s=120)
