@@ -20,7 +20,7 @@ from infra.settings import Settings
 from pipeline.code import code_version, imported_code_version
 from pipeline.config import PipelineConfig, shape_inputs
 from stages.fields import Dataset, Output, RewardSource, fields_with, names_with
-from stages.fingerprint import dataset_fingerprint
+from stages.fingerprint import code_folder_fingerprint, dataset_fingerprint
 from stages.registry import STAGES
 
 
@@ -87,14 +87,18 @@ def data_sources(config_cls: type[BaseModel] | None, config: dict) -> dict[str, 
             sources[f"eval_suite/{benchmark['name']}"] = benchmark["dataset"]
     for field in fields_with(config_cls, RewardSource):
         reward = config.get(field)
-        if isinstance(reward, str) and "://" not in reward and reward.endswith(".py"):
+        if isinstance(reward, str) and "://" not in reward and (reward.endswith(".py") or Path(reward).is_dir()):
             sources[field] = reward
     return sources
 
 
-def source_fingerprint(source: str) -> str:
+def source_fingerprint(source: str, code: bool = False) -> str:
     """The fingerprint of data a stage reads; a local reward function's also covers the project code it imports
-    (configs/reward_funcs/math_answer.py compares answers with stages/answers.py)."""
+    (configs/reward_funcs/math_answer.py compares answers with stages/answers.py). `code`: the source is code the
+    stage runs (a RewardSource); a folder of it (lm-eval task files, whose `!function` entries are Python) is
+    fingerprinted over every file in it, not only its data files."""
+    if code and "://" not in source and Path(source).is_dir():
+        return code_folder_fingerprint(Path(source))
     fingerprint = dataset_fingerprint(source)
     if source.endswith(".py") and "://" not in source and Path(source).is_file():
         imported = imported_code_version(Path(source))
@@ -115,8 +119,10 @@ def stage_identity(pipeline: str, stage: str, config: BaseModel | dict, inputs: 
                    code: str) -> StageIdentity:  # fmt: skip
     """Resolve `config` with `inputs` (config field -> upstream result) and fingerprint its data: the key."""
     resolved = resolve_config(stage, config, inputs)
-    datasets = {field: DatasetRef(source=source, fingerprint=source_fingerprint(source))
-                for field, source in data_sources(config_class(stage, config), resolved).items()}
+    config_cls = config_class(stage, config)
+    code_fields = fields_with(config_cls, RewardSource) if config_cls is not None else {}
+    datasets = {field: DatasetRef(source=source, fingerprint=source_fingerprint(source, code=field in code_fields))
+                for field, source in data_sources(config_cls, resolved).items()}
     key = stage_key(pipeline, stage, resolved, {field: r.digest for field, r in inputs.items()}, code,
                     {field: ref.fingerprint for field, ref in datasets.items()})
     return StageIdentity(key=key, config=resolved, datasets=datasets)

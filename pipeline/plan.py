@@ -413,8 +413,9 @@ def check_reward_sources(config: PipelineConfig, settings: Settings, problems: l
                     problems.append(f"{stage}.{field}: {redact_patterns(url)}: credentials in the URL are refused "
                                     f"({', '.join(found)}); name a variable holding the Authorization header with "
                                     f"{stage}.remote_rm_auth_env")
-            path = Path(spec) if Path(spec).is_file() else PROJECT_ROOT / spec  # as the stage resolves it
-            if not urls and spec.endswith(".py") and not settings.reward_file_allowed(path, artifact_root):
+            path = Path(spec) if Path(spec).exists() else PROJECT_ROOT / spec  # as the stage resolves it
+            if not urls and (spec.endswith(".py") or path.is_dir()) and not settings.reward_file_allowed(
+                    path, artifact_root):
                 problems.append(f"{stage}.{field}: {spec} is outside the project's configs/ and stages/ and "
                                 "RLHF_REWARD_DIRS, or in a folder jobs write (the workspace, the artifact root): a "
                                 "reward file is code that every node runs; put it in a folder of RLHF_REWARD_DIRS")

@@ -39,7 +39,9 @@ class ModelPath:
 
 @dataclass(frozen=True)
 class RewardSource:
-    """A reward function: a Python file, read like data (its content is part of the stage key), or endpoints."""
+    """Code the stage runs, named by a flag: a reward function (a Python file, or endpoints) or a folder of code (lm-eval
+    task files). Read like data (its content is part of the stage key); the plan takes local ones only from the
+    project's own folders and RLHF_REWARD_DIRS."""
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,14 @@ def dataset_fingerprint(source: str) -> str:
     return f"hub:{name}@{revision or hub_revision(name)}"
 
 
+def code_folder_fingerprint(folder: Path) -> str:
+    """Every regular file under `folder` (names and contents), for a folder of code a stage runs."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(f"{file.relative_to(folder)}\0{_file_fingerprint(file)}\0".encode())
+    return f"code-dir:{digest.hexdigest()[:32]}"
+
+
 def _file_fingerprint(path: Path) -> str:
     stat = path.stat()
     if stat.st_size > LARGE_FILE_BYTES:

@@ -456,6 +456,22 @@ def test_reward_files_come_only_from_the_projects_own_folders_or_reward_dirs_nev
         check_reward_sources(config, settings, problems, artifact_root=str(shared / "artifacts"))
         assert (problems == []) == allowed, (spec, problems)
         assert allowed or problems[0].startswith(f"rl.remote_rm_url: {spec} is outside the project's configs/")
+    # lm-eval task files are code too (`!function`): the same folders, and every file of them in the stage key.
+    tasks = shared / "workspace" / "lm-eval-tasks"
+    tasks.mkdir()
+    (tasks / "task.yaml").write_text("task: mine\n")
+    config = load_pipeline_config("llama3-8b-grpo", {"evaluate": {"lm_eval": ["mine"],
+                                                                  "lm_eval_include_path": str(tasks)}})
+    problems = []
+    check_reward_sources(config, settings, problems, artifact_root=str(shared / "artifacts"))
+    assert problems and problems[0].startswith(f"evaluate.lm_eval_include_path: {tasks} is outside")
+    (shared / "prompts.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    section = {"pretrain": "m", "prompt_data": str(shared / "prompts.jsonl"), "lm_eval": ["mine"],
+               "lm_eval_include_path": str(tasks), "remote_rm_url": "configs/reward_funcs/math_answer.py"}
+    before = stage_identity("p", "evaluate", section, {}, "code")
+    (tasks / "utils.py").write_text("def process(doc):\n    return doc\n")
+    after = stage_identity("p", "evaluate", section, {}, "code")
+    assert before.key != after.key and after.datasets["lm_eval_include_path"].fingerprint.startswith("code-dir:")
 
 
 def test_a_damaged_production_policy_is_quarantined_and_named_in_the_plan(tmp_path):

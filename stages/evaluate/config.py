@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from stages.config import PolicyPath, PromptConfig, RankLayout, RolloutBackend, max_samples_field
 from stages.evaluate.suite import Benchmark, load_suite, suite_problems
-from stages.fields import NOT_TRAINING, Dataset, FileValued
+from stages.fields import NOT_TRAINING, REWARD_SOURCE, Dataset, FileValued
 
 
 class EvaluateConfig(RankLayout, PromptConfig):
@@ -64,8 +64,10 @@ class EvaluateConfig(RankLayout, PromptConfig):
         "(the lm_eval extra), e.g. gsm8k ifeval (or gsm8k,ifeval); metrics lm_eval/<task>/<metric> "
         "(stages/evaluate/harness.py)",
     )
-    lm_eval_include_path: str | None = Field(
-        None, description="a folder of lm-eval task YAML files (tasks on local data, say) found besides lm-eval's own",
+    lm_eval_include_path: Annotated[str | None, REWARD_SOURCE] = Field(
+        None, description="a folder of lm-eval task YAML files (tasks on local data, say) found besides lm-eval's "
+        "own; code, like a reward file (a task's `!function` runs Python from it): its files are in the stage key and "
+        "the plan takes it only from where reward files may come",
     )
 
     required_inputs = (("pretrain",), ("prompt_data", "eval_suite"),
