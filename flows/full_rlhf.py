@@ -128,13 +128,31 @@ def check_deployment(deployment, run_job_variables: dict, settings: Settings) ->
                               "a run executes and its environment are fixed by the work pool and the deployment")
 
 
+def paused_runs_beside(client, flow_run) -> list:
+    """The other runs of `flow_run`'s deployment that are paused (waiting for a person's approval)."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType,
+    )  # fmt: skip
+
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[flow_run.deployment_id]),
+        id=FlowRunFilterId(not_any_=[flow_run.id]),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))))  # fmt: skip
+
+
 def check_run(config: PipelineConfig, settings: Settings) -> None:
-    """Refuse a crash loop, a deployment changed on the server, and a deployment run that sets job variables or
-    changes more config fields than the RunOverride ones."""
+    """Refuse a crash loop, a run beside a paused run of its deployment, a deployment changed on the server, and a
+    deployment run that sets job variables or changes more config fields than the RunOverride ones."""
     flow_run = get_run_context().flow_run
     with get_client(sync_client=True) as client:
         retries = automatic_retries_in_a_row(client.read_flow_run_states(flow_run.id))
         deployment = client.read_deployment(flow_run.deployment_id) if flow_run.deployment_id else None
+        paused = paused_runs_beside(client, flow_run) if deployment is not None else []
+    if paused:
+        # Prefect gives the deployment's slot back while a run waits for approval: two nights would then train
+        # side by side and race to promote.
+        raise OverrideRefused(f"run {paused[0].name} of deployment {deployment.name} is paused, waiting for "
+                              "approval: approve or reject it (python -m flows.approval), then run again")
     if retries > settings.max_crash_retries:
         raise CrashLoop(f"crashed and was retried automatically {retries} times in a row (RLHF_MAX_CRASH_RETRIES="
                         f"{settings.max_crash_retries}); not running again: find the cause, then retry by hand")

@@ -56,8 +56,8 @@ AUTHORIZATION_VALUE = re.compile(
 # A quoted value under a key that names a credential, in JSON or YAML text (`"api_token": "..."`); a tokenizer's
 # special tokens (eos_token, pad_token, ...) are not credentials.
 CREDENTIAL_FIELD = re.compile(
-    r"(?i)([\"']?(?<![\w.-])(?!(?:eos|bos|pad|unk|sep|cls|mask)_token)(?:[\w.-]*[_-])?(?:token|api[_-]?key|apikey|secret"
-    r"|password|passwd|passphrase|credentials?|jwt|bearer)[\"']?\s*[:=]\s*[\"'])[^\"'\n]+"
+    r"(?i)([\"']?(?<![\w.-])(?!(?:eos|bos|pad|unk|sep|cls|mask)_token)(?:[\w.-]*[_-])?"
+    r"(?:token|api[_-]?key|apikey|secret|password|passwd|passphrase|credentials?|jwt|bearer)[\"']?\s*[:=]\s*[\"'])[^\"'\n]+"
 )
 
 

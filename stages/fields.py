@@ -39,8 +39,8 @@ class ModelPath:
 
 @dataclass(frozen=True)
 class RewardSource:
-    """Code the stage runs, named by a flag: a reward function (a Python file, or endpoints) or a folder of code (lm-eval
-    task files). Read like data (its content is part of the stage key); the plan takes local ones only from the
+    """Code the stage runs, named by a flag: a reward function (a Python file, or endpoints) or a folder of code
+    (lm-eval task files). Read like data (its content is part of the stage key); the plan takes local ones only from the
     project's own folders and RLHF_REWARD_DIRS."""
 
 

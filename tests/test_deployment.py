@@ -45,7 +45,7 @@ import s3fs
 import yaml
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import StateType
-from prefect.states import Cancelled, Pending, Running, Scheduled
+from prefect.states import Cancelled, Paused, Pending, Running, Scheduled
 
 from flows.server_setup import AUTO_RETRY_MESSAGE, RETRY_AUTOMATION_PREFIX, ZOMBIE_AUTOMATION
 from infra.artifacts import open_store
@@ -803,6 +803,15 @@ def refused_runs(stack, tmp_path_factory):
             for name in list(record["created"]):
                 record[name] = stack.wait_for(record["created"][name], {StateType.FAILED}, timeout_s=300,
                                               logs=worker_log)
+            # A run beside one paused for approval (Prefect gives the deployment's slot back during the pause).
+            waiting = client.create_flow_run_from_deployment(deployment.id, state=Scheduled())
+            client.set_flow_run_state(waiting.id, Paused(pause_key="approval"), force=True)
+            try:
+                run = client.create_flow_run_from_deployment(deployment.id)
+                record["beside_paused"] = stack.wait_for(run.id, {StateType.FAILED}, timeout_s=300, logs=worker_log)
+                record["paused_name"] = waiting.name
+            finally:
+                client.set_flow_run_state(waiting.id, Cancelled(), force=True)
             # A PATCH of the deployment's parameters: a looser gate.
             patched = {**tiny_config, "gate": {**tiny_config["gate"], "min_prompts": 1}}
             client.update_deployment(deployment.id, DeploymentUpdate(parameters={"config": patched}))
@@ -828,6 +837,11 @@ def test_the_work_pool_fixes_what_a_run_executes(refused_runs):
     assert not refused_runs["canary"].exists()
     message = refused_runs["stream_output"].state.message
     assert "sets job variables stream_output: what a run executes and its environment are fixed" in message, message
+
+
+def test_a_run_beside_one_paused_for_approval_is_refused(refused_runs):
+    message = refused_runs["beside_paused"].state.message
+    assert f"run {refused_runs['paused_name']} of deployment tiny is paused, waiting for approval" in message, message
 
 
 def test_a_deployment_patched_on_the_server_is_refused(refused_runs):

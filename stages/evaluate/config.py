@@ -49,8 +49,8 @@ class EvaluateConfig(RankLayout, PromptConfig):
     )
     eval_suite: Annotated[list[Benchmark] | None, FileValued()] = Field(
         None, description="benchmarks every model also answers: a YAML file (a list, or a `benchmarks:` list; read "
-        "from a command line or a preset file, never from a run's parameters) or the list itself; each with name, dataset, split, format (gsm8k, math, prompts, "
-        "preference_prompts), n_samples, max_samples",
+        "from a command line or a preset file, never from a run's parameters) or the list itself; each with name, "
+        "dataset, split, format (gsm8k, math, prompts, preference_prompts), n_samples, max_samples",
     )
 
     logprob_gap_samples: Annotated[int, NOT_TRAINING] = Field(
