@@ -173,6 +173,9 @@ class Manifest(BaseModel):
     files: dict[str, FileEntry]
     metrics: dict[str, float | int | str] = {}
     digest: str
+    # S3: each stored object's ETag once committed (a rewrite changes it, even at the same size): what a reuse
+    # compares without downloading. Empty on a local store (hashed in full) and in manifests written before.
+    etags: dict[str, str] = {}
 
     @field_validator("files")
     @classmethod
@@ -304,6 +307,11 @@ def _check_file(name: str, entry: FileEntry, size: int, sha256: str) -> None:
         raise ChecksumError(f"{name}: size {size} bytes, manifest says {entry.size}")
     if sha256 != entry.sha256:
         raise ChecksumError(f"{name}: sha256 {sha256[:16]}…, manifest says {entry.sha256[:16]}…")
+
+
+def _etag(info: dict) -> str | None:
+    value = info.get("ETag") or info.get("etag")
+    return str(value).strip('"') if value else None
 
 
 def _check_digest(manifest: Manifest) -> None:
@@ -557,6 +565,8 @@ class ArtifactStore:
                 "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             })
             self._check_files_kept(version_path, files, "before its manifest is written")
+            if not self.is_local:
+                manifest = manifest.model_copy(update={"etags": self._etags(version_path, files)})
             self._write_atomic(stage_path, f"{version_path}/{MANIFEST_NAME}", manifest.model_dump_json(indent=2))
             self._check_files_kept(version_path, files, "after its manifest was written",
                                    manifest_path=f"{version_path}/{MANIFEST_NAME}")
@@ -934,17 +944,30 @@ class ArtifactStore:
 
     def verify_for_reuse(self, manifest: Manifest) -> None:
         """Check a version before a run reuses it instead of building it: every hash on a local store, where
-        reading is cheap; on S3 every file present at its recorded size (a full re-hash would download it all)."""
+        reading is cheap; on S3 every file present at its recorded size and, where the manifest recorded them,
+        with the ETag it had when committed (a full re-hash would download it all)."""
         if self.is_local:
             self.verify(manifest)
             return
         _, path, found = self._stored(manifest)
-        sizes = {name[len(path) + 1:]: info.get("size") for name, info in found.items()}
+        stored = {name[len(path) + 1:]: info for name, info in found.items()}
         for rel, entry in manifest.files.items():
-            if rel not in sizes:
+            if rel not in stored:
                 raise ChecksumError(f"{manifest.uri}/{rel}: missing")
-            if sizes[rel] != entry.size:
-                raise ChecksumError(f"{manifest.uri}/{rel}: {sizes[rel]} bytes, the manifest recorded {entry.size}")
+            size = stored[rel].get("size")
+            if size != entry.size:
+                raise ChecksumError(f"{manifest.uri}/{rel}: {size} bytes, the manifest recorded {entry.size}")
+            if rel in manifest.etags and _etag(stored[rel]) != manifest.etags[rel]:
+                raise ChecksumError(f"{manifest.uri}/{rel}: the stored object was rewritten since its commit (ETag "
+                                    f"{_etag(stored[rel])}, recorded {manifest.etags[rel]})")
+
+    def _etags(self, version_path: str, files: dict[str, FileEntry]) -> dict[str, str]:
+        """The ETags of a version's stored objects, as S3 lists them."""
+        self.fs.invalidate_cache()
+        found = self._retrying(f"listing of {self._uri(version_path)}",
+                               lambda: self.fs.find(version_path, detail=True))
+        etags = {name[len(version_path) + 1:]: _etag(info) for name, info in found.items()}
+        return {rel: etags[rel] for rel in files if etags.get(rel)}
 
     def read_file(self, manifest: Manifest, rel: str, max_bytes: int | None = None) -> bytes:
         """One file of a committed version, checked against its manifest entry; with `max_bytes`, refused unread
