@@ -236,6 +236,14 @@ def test_lm_eval_tasks_are_listed_either_way_and_an_unknown_one_is_refused_by_na
     assert harness.task_manager(cfg.model_copy(update={"lm_eval": ["tiny_local"]})).all_tasks == ["tiny_local"]
     with pytest.raises(StageInputError, match="--lm_eval: no lm-eval task or group named tiny_locl$"):
         harness.task_manager(cfg.model_copy(update={"lm_eval": ["gsm8k", "tiny_local", "tiny_locl"]}))
+    # A metric lm-eval does not ship would be loaded from the hub and its code run: refused; a !function of the
+    # folder (code that comes with the task files, allowed as they are) is not.
+    (tmp_path / "tiny_local.yaml").write_text(
+        "task: tiny_local\ndataset_path: json\nmetric_list:\n  - metric: exact_match\n  - metric: !function "
+        "utils.score\n  - metric: someones/metric\n  - metric: bleu\n    hf_evaluate: true\n")
+    with pytest.raises(StageInputError, match=r"metrics neither lm-eval's own nor a !function of the folder "
+                                              r"\(tiny_local: 'someones/metric'; tiny_local: 'bleu'\)"):
+        harness.task_manager(cfg.model_copy(update={"lm_eval": ["tiny_local"]}))
     # lm-eval's `metric,filter` as metric names, the other models' prefix before the metric.
     assert harness.metric_key("gsm8k", "exact_match,strict-match", "") == "lm_eval/gsm8k/exact_match_strict-match"
     assert harness.metric_key("tiny_local", "acc,none", "reference_") == "lm_eval/tiny_local/reference_acc"

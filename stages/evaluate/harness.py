@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from lm_eval import simple_evaluate
@@ -132,6 +133,7 @@ def task_manager(cfg) -> TaskManager:
     lm-eval's own ~15,000 tasks takes about 10 s of a core: a run that names local tasks only skips it."""
     if cfg.lm_eval_include_path:
         local = TaskManager(include_path=cfg.lm_eval_include_path, include_defaults=False)
+        check_local_metrics(local, cfg.lm_eval_include_path)
         if all(local.match_tasks([task]) for task in cfg.lm_eval):
             return local
     tasks = TaskManager(include_path=cfg.lm_eval_include_path)
@@ -140,6 +142,26 @@ def task_manager(cfg) -> TaskManager:
         raise StageInputError(f"--lm_eval: no lm-eval task or group named {', '.join(unknown)}"
                               + ("" if cfg.lm_eval_include_path else " (local task files: --lm_eval_include_path)"))
     return tasks
+
+
+def check_local_metrics(tasks: TaskManager, include_path: str) -> None:
+    """Every metric of the local task files is lm-eval's own or a `!function` of the folder: lm-eval loads any other
+    name from the Hugging Face hub with `evaluate.load`, which runs the metric's code from there."""
+    import lm_eval.api.metrics  # noqa: F401 - fills the registry
+    from lm_eval.api.registry import metric_registry
+
+    folder = str(Path(include_path).expanduser().resolve())
+    refused = []
+    for name, entry in tasks.task_index.items():
+        for metric in (getattr(entry, "cfg", None) or {}).get("metric_list") or []:
+            value = metric.get("metric") if isinstance(metric, dict) else None
+            local_function = isinstance(value, str) and str(Path(value).resolve()).startswith(folder + "/")
+            if metric.get("hf_evaluate") is True or not (value in metric_registry or local_function):
+                refused.append(f"{name}: {value!r}")
+    if refused:
+        raise StageInputError(f"--lm_eval_include_path {include_path}: metrics neither lm-eval's own nor a !function "
+                              f"of the folder ({'; '.join(refused)}): lm-eval would load them from the hub and run "
+                              "their code")
 
 
 def run_tasks(cfg, tasks: TaskManager, engines: list, tokenizer, model: str) -> dict[str, float]:
