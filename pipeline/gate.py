@@ -43,6 +43,9 @@ class PromotionDecision(BaseModel):
     scores: dict[str, dict[str, float | int | str]]  # model (policy, reference, production) -> metric -> value
     approval: str | None = None  # what the person asked said, or why nobody approved
     production_moved_to: int | None = None  # set when production moved before the promotion could
+    # How many evaluated candidates (this one included) were judged against the same production policy: each is
+    # another draw, and a gate on 95% intervals passes a policy no better than production about one draw in 40.
+    tries_against_production: int | None = None
 
     def rejected(self, why: str) -> PromotionDecision:
         """The same decision, not promoted, for `why` (first among the reasons)."""
@@ -52,6 +55,17 @@ class PromotionDecision(BaseModel):
     def moves_production(self) -> bool:
         """Whether carrying the decision out moves the `production` alias."""
         return self.promoted and not self.already_production
+
+
+def tries_against(store: ArtifactStore, production: StageResult | None, evaluation_stage: str) -> int | None:
+    """How many committed evaluations scored `production` as the production policy (None without one)."""
+    if production is None:
+        return None
+    tries = 0
+    for version in store.versions(evaluation_stage):
+        ref = store.get(evaluation_stage, version).inputs.get("production_pretrain")
+        tries += ref is not None and ref.digest == production.digest
+    return tries
 
 
 def production_baseline(store: ArtifactStore, policy: StageResult) -> StageResult | None:
@@ -232,6 +246,9 @@ def decision_markdown(decision: PromotionDecision, report_uri: str) -> str:
     metrics = {model_metric(model, name): value
                for model, values in decision.scores.items() for name, value in values.items()}
     approval = f"\n\napproval: {decision.approval}" if decision.approval else ""
+    if decision.tries_against_production and decision.production_version is not None:
+        against += (f"; candidate {decision.tries_against_production} judged against it (each try is another draw "
+                    "of the held-out metrics)")
     return (f"### {decision.stage} v{decision.version}: {verdict}\n\n"
             f"Candidate {decision.stage} v{decision.version}, its reference, and {against}, on the same held-out "
             f"prompts:\n\n{metrics_table(metrics)}\n\n"

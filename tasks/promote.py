@@ -9,7 +9,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from infra.artifacts import AliasMoved, open_store
 from pipeline.config import PromotionGate
-from pipeline.gate import PRODUCTION_ALIAS, PromotionDecision, decide, decision_markdown, production_baseline
+from pipeline.gate import (
+    PRODUCTION_ALIAS, PromotionDecision, decide, decision_markdown, production_baseline, tries_against,
+)  # fmt: skip
 from pipeline.identity import StageResult
 from tasks.run_stage import artifact_key
 
@@ -28,7 +30,8 @@ def judge(policy: StageResult, report: StageResult, gate: PromotionGate, *, arti
     with (production_policy's answer)."""
     store = open_store(artifact_root, policy.pipeline)
     current = store.alias_record(policy.stage, PRODUCTION_ALIAS)
-    return decide(policy, report, gate, production, current["version"] if current else None)
+    decision = decide(policy, report, gate, production, current["version"] if current else None)
+    return decision.model_copy(update={"tries_against_production": tries_against(store, production, report.stage)})
 
 
 @task(name="promote", persist_result=True)

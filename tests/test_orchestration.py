@@ -438,6 +438,9 @@ def test_a_worse_policy_is_not_promoted_over_production(shape_runs):
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["tiny-promotion"])))
     (shown,) = {a.data for a in artifacts if "dpo v2: **not promoted**" in a.data}  # the run and its unchanged rerun
     assert "| accuracy | 0.0500 | 0.0000 | 0.2500 |" in shown and "production is dpo v1" in shown
+    # The first candidate had no production to be judged against; this is the first judged against dpo v1.
+    assert promoted.tries_against_production is None and decision.tries_against_production == 1
+    assert "production is dpo v1; candidate 1 judged against it" in shown
 
 
 def test_an_unchanged_run_reuses_every_stage_without_a_job(shape_runs):
