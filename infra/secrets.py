@@ -151,6 +151,11 @@ class RedactingStream:
         return getattr(self.target, name)
 
 
+# Ray runs it in every worker process of a job before the process takes any task (runtime_env's
+# worker_process_setup_hook): processes others start for a stage (vLLM's tensor-parallel workers) redact too.
+REDACTING_SETUP_HOOK = "infra.secrets.redact_streams"
+
+
 def redact_streams(redactor: Redactor | None = None, *, outermost: bool = False) -> None:
     """Redact everything this process prints from here on: its stdout and stderr, what Ray's log monitor prints
     there for the process's actors, and the loggers that hold the streams themselves (Ray's, DeepSpeed's, vLLM's:

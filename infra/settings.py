@@ -19,7 +19,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from infra.artifacts import StoreSettings
 from infra.net import is_loopback
-from infra.secrets import is_secret_name
+from infra.secrets import REDACTING_SETUP_HOOK, is_secret_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The project's own reward and agent files: its configs and its stages' package (a checkout and an installed wheel
@@ -225,18 +225,22 @@ class Settings(StoreSettings):
         return env
 
     def job_runtime_env(self) -> dict:
-        """Ray runtime_env for stage jobs: ship the code (remote) or point PYTHONPATH at it (local)."""
+        """Ray runtime_env for stage jobs: ship the code (remote) or point PYTHONPATH at it (local); every worker
+        process of the job redacts its own output first (those the stage's code does not start itself too, such as
+        vLLM's tensor-parallel workers)."""
         env = self.job_env()
+        hook = {"worker_process_setup_hook": REDACTING_SETUP_HOOK}
         if self.job_working_dir:
             return {
                 "working_dir": self.job_working_dir,
                 "excludes": [".venv", ".git", ".cache", "artifacts", "output", "__pycache__"],
                 "env_vars": env,
+                **hook,
             }
         pythonpath = os.pathsep.join(
             p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p
         )
-        return {"env_vars": {**env, "PYTHONPATH": pythonpath}}
+        return {"env_vars": {**env, "PYTHONPATH": pythonpath}, **hook}
 
 
 def get_settings(**overrides) -> Settings:

@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from infra.secrets import REDACTING_SETUP_HOOK
 from stages.environment import stage_environment
 
 
@@ -311,8 +312,12 @@ def init_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Without RAY_ADDRESS the private cluster listens on loopback only (see stages/__init__.py).
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=True)
+    # Without RAY_ADDRESS the private cluster listens on loopback only (see stages/__init__.py), and every worker
+    # process redacts its own output (a job gets the same hook from the orchestration's runtime_env): processes
+    # started for the stage by others too, such as vLLM's tensor-parallel workers, whose log files stay on the node.
+    address = os.environ.get("RAY_ADDRESS") or None
+    ray.init(address=address, include_dashboard=False, log_to_driver=True,
+             runtime_env=None if address else {"worker_process_setup_hook": REDACTING_SETUP_HOOK})
 
 
 def launched_by_torch_launcher() -> bool:

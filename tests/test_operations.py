@@ -443,3 +443,34 @@ def test_wandb_files_stay_outside_the_output_and_its_config_and_console_are_reda
     assert [path for path, data in written.items() if CANARY.encode() in data] == []
     console = [data for path, data in written.items() if b"the stage prints" in data]
     assert console and all(b"[redacted HF_TOKEN]" in data for data in console)  # captured, redacted
+
+
+def test_every_worker_process_of_a_stage_redacts_its_own_log_files(tmp_path):
+    """A worker process the stage's code does not set up itself (vLLM's tensor-parallel workers are Ray actors of
+    vLLM's) writes its node's log files: Ray's setup hook makes each worker of the stage's cluster redact first."""
+    import subprocess
+    import sys
+
+    script = (
+        "import glob, os, ray\n"
+        "from stages.distributed import init_ray\n"
+        "init_ray()\n"
+        "@ray.remote\n"
+        "class Chatty:\n"
+        "    def speak(self):\n"
+        "        print('the token is', os.environ['REWARD_API_TOKEN'], flush=True)\n"
+        "        return os.getpid()\n"
+        "chatty = Chatty.remote()\n"
+        "pid = ray.get(chatty.speak.remote())\n"
+        "logs = ray._private.worker.global_worker.node.get_logs_dir_path()\n"
+        "ray.kill(chatty)\n"
+        "text = ''.join(open(p, errors='replace').read() for p in glob.glob(f'{logs}/worker-*{pid}.out'))\n"
+        "print('LOG:', text.replace(chr(10), ' '))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**env, "REWARD_API_TOKEN": CANARY, "RAY_USAGE_STATS_ENABLED": "0"},
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout.split("LOG:", 1)[1]
+    assert "the token is [redacted REWARD_API_TOKEN]" in log and CANARY not in log + done.stdout + done.stderr
