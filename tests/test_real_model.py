@@ -29,7 +29,7 @@ def test_rl_on_the_real_model_checks_every_sync_and_logs_the_log_prob_gap(tmp_pa
     the actor's at every step."""
     prompts, held_out = tmp_path / "prompts.jsonl", tmp_path / "held_out.jsonl"
     pairs = [(a, b) for a in range(17, 97, 7) for b in range(11, 90, 13)]
-    for path, chosen in ((prompts, pairs[:4]), (held_out, pairs[4:8])):
+    for path, chosen in ((prompts, pairs[:6]), (held_out, pairs[6:10])):
         path.write_text("".join(f'{{"prompt": "What is {a} + {b}?", "label": "{a + b}"}}\n' for a, b in chosen))
     out = tmp_path / "rl"
     proc = run_stage("rl", "--pretrain", smollm2, "--prompt_data", prompts, "--eval_dataset", held_out,
@@ -42,7 +42,7 @@ def test_rl_on_the_real_model_checks_every_sync_and_logs_the_log_prob_gap(tmp_pa
                      "--save_path", out / "model", "--ckpt_path", out / "ckpt")
     history, metrics = history_of(out / "model"), metrics_of(out / "model")
     assert "weight sync 513.1 MiB in 5 bucket(s)" in proc.stdout
-    assert len(history) == 2 and metrics["weight_sync_checks"] == 3  # start-up and two syncs
+    assert len(history) == 3 and metrics["weight_sync_checks"] == 4  # start-up and three syncs
     # The held-out greedy answers, as their reward, length and truncation show them, never changed.
     answers = {(r["eval_reward"], r["eval_response_length"], r["eval_truncated_fraction"]) for r in history}
     assert len(answers) == 1 and next(iter(answers))[0] == metrics["eval_reward_initial"]

@@ -258,11 +258,11 @@ def test_a_broken_reward_function_stops_the_stage_naming_it(tmp_path, assets, sf
 @pytest.mark.parametrize("fault, said", [
     ("scale:model.layers.1.mlp.up_proj.weight", "engine 0 does not compute with the weights the actor sent: "
      "model.layers.1.mlp.gate_up_proj.weight (model.layers.1.mlp.gate_proj.weight, model.layers.1.mlp.up_proj.weight)"),
+    ("drop:model.layers.0.self_attn.k_proj.weight", "engine 0 never loaded model.layers.0.self_attn.k_proj.weight"),
 ])
 def test_a_weight_sync_altered_on_its_way_stops_the_stage_naming_the_tensor(tmp_path, assets, sft_model, fault, said):
-    """A tensor doubled between the actor and the vLLM engine (tests/sync_faults: where the engine opens the shared
-    buckets) stops the stage at the first sync, before the engine samples with it, naming the tensor. (The hook also
-    drops a tensor, `drop:<name>`: the engine's receipt names it; tests/test_rl_parts.py holds that message.)"""
+    """A tensor doubled or lost between the actor and the vLLM engine (tests/sync_faults: where the engine opens the
+    shared buckets) stops the stage at the first sync, before the engine samples with it, naming the tensor."""
     hook = Path(__file__).resolve().parent / "sync_faults"
     model, proc = rl(tmp_path, sft_model, assets, "--remote_rm_url", RULE_REWARD, "--rollout_backend", "vllm",
                      "--vllm_sync_bucket_mb", 1, "--max_samples", 96,
