@@ -445,6 +445,7 @@ def test_wandb_files_stay_outside_the_output_and_its_config_and_console_are_reda
     assert console and all(b"[redacted HF_TOKEN]" in data for data in console)  # captured, redacted
 
 
+@pytest.mark.slow
 def test_every_worker_process_of_a_stage_redacts_its_own_log_files(tmp_path):
     """A worker process the stage's code does not set up itself (vLLM's tensor-parallel workers are Ray actors of
     vLLM's) writes its node's log files: Ray's setup hook makes each worker of the stage's cluster redact first."""
