@@ -783,32 +783,30 @@ class ArtifactStore:
         moves = sorted(moves, key=lambda p: p.rsplit("/", 1)[-1], reverse=True)
         taken = int(moves[0].rsplit("/", 1)[-1].removesuffix(".json")) if moves else 0
         for path in moves or [f"{base}.json"]:
-            while True:
-                try:
-                    record = self._read_alias_record(path)
-                    break
-                except FileNotFoundError:
-                    record = None
-                    break
-                except (ValueError, KeyError, TypeError) as e:
-                    if not moves:  # the pointer file of an older store: nothing to fall back on
-                        raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
-                    modified = _modified(self._retrying(f"info of {self._uri(path)}", lambda: self.fs.info(path)))
-                    if modified is not None and time.time() - modified < MOVE_IN_PROGRESS_S:
-                        time.sleep(0.2)  # its mover may be between creating and writing it
-                        continue
-                    self.log(f"artifact store: skipping torn alias record {self._uri(path)} ({e}): that move did "
-                             "not happen")
-                    record = None
-                    break
+            record = self._read_alias_record(path, pointer_file=not moves)
             if record is not None:
                 return record, taken
         return None, taken
 
-    def _read_alias_record(self, path: str) -> dict:
-        record = json.loads(self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path)))
-        record["version"] = int(record["version"])
-        return record
+    def _read_alias_record(self, path: str, pointer_file: bool) -> dict | None:
+        """The record at `path`; None when it is gone or torn (waited for while younger than MOVE_IN_PROGRESS_S).
+        `pointer_file`: an older store's single pointer, which has nothing to fall back on when unreadable."""
+        while True:
+            try:
+                record = json.loads(self._retrying(f"read of {self._uri(path)}", lambda: self.fs.cat_file(path)))
+                record["version"] = int(record["version"])
+                return record
+            except FileNotFoundError:
+                return None
+            except (ValueError, KeyError, TypeError) as e:
+                if pointer_file:
+                    raise ArtifactError(f"{self._uri(path)}: invalid alias record ({e})") from e
+                modified = _modified(self._retrying(f"info of {self._uri(path)}", lambda: self.fs.info(path)))
+                if modified is None or time.time() - modified >= MOVE_IN_PROGRESS_S:
+                    self.log(f"artifact store: skipping torn alias record {self._uri(path)} ({e}): that move did "
+                             "not happen")
+                    return None
+                time.sleep(0.2)  # its mover may be between creating and writing it
 
     def _create_exclusive(self, path: str, body: bytes) -> None:
         """Create ``path`` with ``body`` only if it does not exist, whole or not at all: FileExistsError else. On

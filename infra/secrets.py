@@ -57,7 +57,8 @@ AUTHORIZATION_VALUE = re.compile(
 # special tokens (eos_token, pad_token, ...) are not credentials.
 CREDENTIAL_FIELD = re.compile(
     r"(?i)([\"']?(?<![\w.-])(?!(?:eos|bos|pad|unk|sep|cls|mask)_token)(?:[\w.-]*[_-])?"
-    r"(?:token|api[_-]?key|apikey|secret|password|passwd|passphrase|credentials?|jwt|bearer)[\"']?\s*[:=]\s*[\"'])[^\"'\n]+"
+    r"(?:token|api[_-]?key|apikey|secret|password|passwd|passphrase|credentials?|jwt|bearer)"
+    r"[\"']?\s*[:=]\s*[\"'])[^\"'\n]+"
 )
 
 

@@ -151,11 +151,7 @@ def dataset_fingerprint(source: str) -> str:
     if local.is_file():
         return _file_fingerprint(local)
     if local.is_dir():
-        files = sorted(p for p in local.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
-        digest = hashlib.sha256()
-        for file in files:
-            digest.update(f"{file.relative_to(local)}\0{_file_fingerprint(file)}\0".encode())
-        return f"dir:{digest.hexdigest()[:32]}"
+        return f"dir:{_tree_digest(local, lambda path: path.suffix in DATA_SUFFIXES)}"
     if path.startswith(("/", "./", "../", "~")) or Path(path).suffix in DATA_SUFFIXES:
         return "missing"
     name, revision = split_revision(path)
@@ -164,10 +160,15 @@ def dataset_fingerprint(source: str) -> str:
 
 def code_folder_fingerprint(folder: Path) -> str:
     """Every regular file under `folder` (names and contents), for a folder of code a stage runs."""
+    return f"code-dir:{_tree_digest(folder, lambda path: '__pycache__' not in path.parts)}"
+
+
+def _tree_digest(folder: Path, keep) -> str:
+    """A digest of the names and contents of the regular files under `folder` that `keep` accepts."""
     digest = hashlib.sha256()
-    for file in sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and keep(p)):
         digest.update(f"{file.relative_to(folder)}\0{_file_fingerprint(file)}\0".encode())
-    return f"code-dir:{digest.hexdigest()[:32]}"
+    return digest.hexdigest()[:32]
 
 
 def _file_fingerprint(path: Path) -> str:
