@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import psutil
@@ -804,7 +805,9 @@ def refused_runs(stack, tmp_path_factory):
                 record[name] = stack.wait_for(record["created"][name], {StateType.FAILED}, timeout_s=300,
                                               logs=worker_log)
             # A run beside one paused for approval (Prefect gives the deployment's slot back during the pause).
-            waiting = client.create_flow_run_from_deployment(deployment.id, state=Scheduled())
+            # Scheduled a day ahead: a worker that picked it up before the pause would crash proposing Pending.
+            waiting = client.create_flow_run_from_deployment(
+                deployment.id, state=Scheduled(scheduled_time=datetime.now(timezone.utc) + timedelta(days=1)))
             client.set_flow_run_state(waiting.id, Paused(pause_key="approval"), force=True)
             try:
                 run = client.create_flow_run_from_deployment(deployment.id)
