@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from prefect.states import Crashed, Running, Scheduled
+from secret_patterns import CANARY, HEADER_AND_FIELD_TEXTS, JWT, TOKENS, URL_TEXTS
 
 from flows.full_rlhf import automatic_retries_in_a_row
 from flows.server_setup import AUTO_RETRY_MESSAGE
@@ -126,48 +127,22 @@ def test_secret_values_are_redacted_by_variable_name():
     assert not is_secret_name("TOKENIZERS_PARALLELISM") and is_secret_name("my_api_key")
 
 
-CANARY = "c4n4ry7d1e0b5e"
-TOKENS = {"hf": "hf_" + "Q" * 30, "aws": "AKIA" + "Z" * 16, "openai": "sk-" + "x" * 40, "github": "ghp_" + "y" * 36}
-
-
-@pytest.mark.parametrize("text", [
-    f"http://user:{CANARY}@rm.internal:5000/score",
-    f"https://{CANARY}@rm.internal/score",
-    f"http://rm.internal/score?token={CANARY}",
-    f"http://rm.internal/score?model=a&api_key={CANARY}&x=1",
-    f"https://bucket.s3.amazonaws.com/k?X-Amz-Signature={CANARY}&X-Amz-Credential={CANARY}",
-    f"urlopen error for 'http://alice:{CANARY}@10.0.0.5/r': [Errno 111] Connection refused",
-    f"http://rm.internal/score?code={CANARY}",
-    f"http://rm.internal/score?api_token={CANARY}&client_secret={CANARY}",
-    f"http://rm.internal/score?a=1&access_key={CANARY}",
-    f"http://rm.internal/score?refresh-token={CANARY}#x",
-    f"http://rm.internal/score?jwt={CANARY}", f"http://rm.internal/score?pass={CANARY}",
-    f"http://rm.internal/score?pw={CANARY}", f"http://rm.internal/score?session={CANARY}",
-    f"http://rm.internal/score?bearer={CANARY}", f"https://rm.internal/cb#access_token={CANARY}&x=1",
-    f"http://rm.internal/score;token={CANARY}", f"http://user:p@ss{CANARY}@rm.internal/score",
-])  # fmt: skip
+@pytest.mark.parametrize("text", URL_TEXTS)
 def test_credentials_in_urls_are_redacted_by_pattern(text):
     redacted = Redactor({}).text(text)  # no variable holds them: the pattern alone finds them
     assert CANARY not in redacted and "[redacted]" in redacted
     assert "rm.internal" in redacted or "10.0.0.5" in redacted or "amazonaws" in redacted
 
 
-@pytest.mark.parametrize("text, redacted", [
-    (f"Authorization: Bearer {CANARY}", "Authorization: Bearer [redacted]"),
-    (f"{{'Authorization': 'Basic {CANARY}'}}", "{'Authorization': 'Basic [redacted]'}"),
-    (f"authorization={CANARY} next", "authorization=[redacted] next"),
-    (f'{{"api_token": "{CANARY}", "n": 1}}', '{"api_token": "[redacted]", "n": 1}'),
-    (f"db:\n  password: '{CANARY}'\n  host: h", "db:\n  password: '[redacted]'\n  host: h"),
-])  # fmt: skip
+@pytest.mark.parametrize("text, redacted", HEADER_AND_FIELD_TEXTS)
 def test_header_values_and_credential_fields_are_redacted_by_pattern(text, redacted):
     assert Redactor({}).text(text) == redacted
 
 
 def test_common_token_formats_and_more_secret_names_are_redacted():
-    jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
-    text = " ".join(TOKENS.values()) + f" {jwt} hf_short sk-short"
+    text = " ".join(TOKENS.values()) + f" {JWT} hf_short sk-short"
     redacted = Redactor({}).text(text)
-    assert not any(token in redacted for token in [*TOKENS.values(), jwt]) and "hf_short sk-short" in redacted
+    assert not any(token in redacted for token in [*TOKENS.values(), JWT]) and "hf_short sk-short" in redacted
     for name in ("DB_PASSWORD", "PREFECT_API_AUTH_STRING", "DATABASE_URL", "PREFECT_API_DATABASE_CONNECTION_URL",
                  "SMTP_PASSWORD_FILE", "PGPASSWORD", "AZURE_STORAGE_CONNECTION_STRING", "SENTRY_DSN",
                  "GOOGLE_APPLICATION_CREDENTIALS", "MYSQL_PWD", "HF_TOKEN_PATH", "PREFECT_SERVER_API_AUTH_STRING",

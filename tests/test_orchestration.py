@@ -33,6 +33,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 from prefect.testing.utilities import prefect_test_harness
 from pydantic import BaseModel
+from secret_patterns import ALL_TEXTS, CANARY, SECRETS, URL_TEXTS
 
 from flows.full_rlhf import full_rlhf
 from infra.artifacts import open_store
@@ -273,16 +274,18 @@ def test_a_second_writer_is_refused_before_touching_the_workspace(env):
 
 
 def test_secret_values_are_redacted_from_everything_the_run_writes(env, monkeypatch):
-    """The job prints secrets of its environment (inherited from the head, as in production) and fails once
-    with them in its error; neither Prefect (logs, states, artifacts: its database file) nor the workspace,
-    the store or the Ray job's metadata may hold them."""
+    """The job prints secrets of its environment (inherited from the head, as in production) and every text that
+    holds one by its form alone (tests/secret_patterns.py: URLs, headers, credential fields, tokens), and fails once
+    with them in its error; neither Prefect (logs, states, artifacts: its database file) nor the workspace, the store
+    or the Ray job's metadata may hold them."""
     canaries = {name: f"canary-{name.lower()}-{uuid.uuid4().hex}" for name in
                 ("HF_TOKEN", "WEBHOOK_SECRET_URL", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "RAY_AUTH_TOKEN")}
     for name, value in canaries.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TOY_LIBRARY_OUTPUT", ALL_TEXTS)  # a name that says nothing: only the forms find them
     with pytest.raises(ValueError, match="secret variables"):
         get_settings(job_env_passthrough=["HF_HOME", "HF_TOKEN"])
-    config = ToyConfig(value=13, leak_env=list(canaries))
+    config = ToyConfig(value=13, leak_env=[*canaries, "TOY_LIBRARY_OUTPUT"])
     with LocalRayHead(num_cpus=1, auth_mode="disabled") as head:  # started with the secrets in its env
         monkeypatch.setenv("RLHF_RAY_ADDRESS", head.address)
         state = run_toy(env, config)
@@ -293,6 +296,7 @@ def test_secret_values_are_redacted_from_everything_the_run_writes(env, monkeypa
 
     logs = flow_run_logs(state.state_details.flow_run_id, "toy: done")
     assert "could not authenticate with HF_TOKEN=[redacted HF_TOKEN]" in logs  # redacted, not dropped
+    assert "http://rm.internal/score?jwt=[redacted]" in logs and "Authorization: Bearer [redacted]" in logs
     (failure,) = [line for line in logs.splitlines() if line.startswith("Task run failed with exception")]
     assert "StageError" in failure and "[redacted WANDB_API_KEY]" in failure  # the error that carried them
 
@@ -306,8 +310,8 @@ def test_secret_values_are_redacted_from_everything_the_run_writes(env, monkeypa
     written.update({f"ray job {job.submission_id}": repr((job.entrypoint, job.metadata, job.runtime_env)).encode()
                     for job in jobs})
     assert any("prefect" in name for name in written) and any("MANIFEST.json" in name for name in written)
-    leaks = [(where, name) for where, data in written.items() for name, value in canaries.items()
-             if value.encode() in data]  # fmt: skip
+    leaks = [(where, secret) for where, data in written.items() for secret in [*canaries.values(), *SECRETS]
+             if secret.encode() in data]  # fmt: skip
     assert leaks == []
 
 
@@ -561,17 +565,26 @@ def flow_run_texts(flow_run_id) -> list[str]:
 
 
 def test_a_canary_inside_a_reward_url_is_absent_from_everything_the_run_writes(env):
-    """Credentials in a reward endpoint's URL are refused when the config is validated, naming the field, before
-    anything is written: neither the error, nor the run's logs, artifacts and states, nor any file under the run's
-    folders holds them."""
+    """Credentials in a reward endpoint's URL, in every form tests/secret_patterns.py lists, are refused when the
+    config is validated, naming the field, before anything is written: neither the error, nor the plan, nor the run's
+    logs, artifacts and states, nor any file under the run's folders holds them."""
     canary = f"canary-{uuid.uuid4().hex}"
-    url = f"http://alice:{canary}@127.0.0.1:9/score?token={canary}2"
+    forms = [text.replace(CANARY, canary) for text in URL_TEXTS if text.startswith("http")]
+    url = ",".join([f"http://alice:{canary}@127.0.0.1:9/score?token={canary}2", *forms])
     overrides = {"artifact_root": env["root"], "shape": "sft-rl",
                  "tiny_assets_dir": str(Path(env["root"]).parent / "tiny-assets")}
     with pytest.raises(ValueError, match="rl: --remote_rm_url http://.redacted.@.*credentials in the URL are refused"
                        ) as refused:  # fmt: skip
         load_pipeline_config("tiny", {**overrides, "rl": {"remote_rm_url": url}})
     assert canary not in str(refused.value)
+    # The plan of a preset file that sets it.
+    preset = Path(env["root"]).parent / "leaky.yaml"
+    preset.write_text(yaml.safe_dump({"extends": "tiny", "name": "leaky", **overrides, "rl": {"remote_rm_url": url}}))
+    planned = subprocess.run([sys.executable, "-m", "flows.run", "--preset", str(preset), "--plan"], cwd=PROJECT_ROOT,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert planned.returncode != 0 and "credentials in the URL are refused" in planned.stderr, planned.stderr
+    assert canary not in planned.stdout + planned.stderr
+    preset.unlink()
     # A run's parameters as a deployment passes them (JSON): refused before the flow starts, the URL not repeated.
     config = load_pipeline_config("tiny", overrides).model_dump(mode="json")
     config["rl"]["remote_rm_url"] = config["evaluate"]["remote_rm_url"] = url
