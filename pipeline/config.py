@@ -141,6 +141,12 @@ class PromotionGate(StrictModel):
         "regression against production must stay within tolerance at its high end (a difference within noise then "
         "neither promotes a candidate nor replaces production); off: on the differences themselves",
     )
+    max_tries_against_production: int | None = Field(
+        None, ge=1,
+        description="at most this many candidates judged against one production policy (the evaluations that scored "
+        "it, this one included): each is another draw of the same held-out metrics, and a gate on 95% intervals "
+        "passes a policy no better than production about one draw in 40; unset: not judged",
+    )
     rules: list[GateRule] = Field(
         default_factory=list,
         description="benchmarks of evaluate.eval_suite the candidate must pass too, each on its own prompts (at least "

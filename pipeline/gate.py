@@ -108,9 +108,10 @@ def judged_on(gain: float, bounds: list[float | None], gate: PromotionGate) -> t
 
 
 def check_gate(metrics: dict, gate: PromotionGate, production_version: int | None = None,
-               candidate: dict | None = None) -> tuple[bool, list[str]]:
+               candidate: dict | None = None, tries_against_production: int | None = None) -> tuple[bool, list[str]]:
     """(passed, one line per criterion, failures first). `production_version`: the production policy the report
-    must have scored (its `production_` metrics), or None. `candidate`: the candidate's own metrics (its manifest)."""
+    must have scored (its `production_` metrics), or None. `candidate`: the candidate's own metrics (its manifest).
+    `tries_against_production`: the evaluations that scored that production policy, this one included."""
     failures, passes = [], []
 
     def record(ok: bool, line: str) -> None:
@@ -152,6 +153,13 @@ def check_gate(metrics: dict, gate: PromotionGate, production_version: int | Non
                        f"{tolerance})")
         if against_production == 0:
             record(False, f"report has no production_ metrics although production v{production_version} exists")
+
+        bound = gate.max_tries_against_production
+        if bound is not None and tries_against_production is not None:
+            record(tries_against_production <= bound,
+                   f"candidate {tries_against_production} judged against production v{production_version} (allows "
+                   f"at most {bound}: each try is another draw of the same held-out metrics; a candidate past them "
+                   "needs a fresh held-out set, or a person raising gate.max_tries_against_production)")
 
     for rule in gate.rules:
         check_rule(rule, metrics, gate, production_version, record)
@@ -222,18 +230,19 @@ def scores_by_model(metrics: dict) -> dict[str, dict[str, float | int | str]]:
 
 
 def decide(policy: StageResult, report: StageResult, gate: PromotionGate, production: StageResult | None,
-           current_production: int | None) -> PromotionDecision:
+           current_production: int | None, tries_against_production: int | None = None) -> PromotionDecision:
     """The gate's decision on `policy` from its evaluation `report`; `production` is the policy the report compared
-    it with, `current_production` the version the alias points at now."""
+    it with, `current_production` the version the alias points at now, `tries_against_production` how many
+    evaluations scored that production policy (`tries_against`)."""
     production_version = production.version if production is not None else None
-    passed, reasons = check_gate(report.metrics, gate, production_version, policy.metrics)
+    passed, reasons = check_gate(report.metrics, gate, production_version, policy.metrics, tries_against_production)
     already = current_production == policy.version
     if already:
         reasons.insert(0, f"already production: promoted by an earlier run (this evaluation "
                           f"{'passes' if passed else 'fails'} the gate)")
     return PromotionDecision(promoted=already or passed, already_production=already, stage=policy.stage,
                              version=policy.version, production_version=production_version, reasons=reasons,
-                             scores=scores_by_model(report.metrics))
+                             scores=scores_by_model(report.metrics), tries_against_production=tries_against_production)
 
 
 def decision_markdown(decision: PromotionDecision, report_uri: str) -> str:

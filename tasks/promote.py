@@ -30,8 +30,8 @@ def judge(policy: StageResult, report: StageResult, gate: PromotionGate, *, arti
     with (production_policy's answer)."""
     store = open_store(artifact_root, policy.pipeline)
     current = store.alias_record(policy.stage, PRODUCTION_ALIAS)
-    decision = decide(policy, report, gate, production, current["version"] if current else None)
-    return decision.model_copy(update={"tries_against_production": tries_against(store, production, report.stage)})
+    return decide(policy, report, gate, production, current["version"] if current else None,
+                  tries_against(store, production, report.stage))
 
 
 @task(name="promote", persist_result=True)

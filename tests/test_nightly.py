@@ -103,7 +103,7 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
     assert set(PromotionGate.model_fields) == {"min_reward_gain", "min_accuracy_gain", "min_prompts", "max_kl_mean",
                                                "max_reward_regression", "max_accuracy_regression",
                                                "require_approval", "approval_timeout_s", "decide_on_intervals", "rules",
-                                               "max_logprob_gap"}
+                                               "max_logprob_gap", "max_tries_against_production"}
     assert load_pipeline_config("tiny").gate.max_accuracy_regression == 0.02
     report = {"accuracy": 0.50, "reference_accuracy": 0.30, "reward_mean": 1.0, "reference_reward_mean": 0.5,
               "kl_mean": 0.4, "production_accuracy": 0.51, "production_reward_mean": 1.02, "prompts": 200}
@@ -125,6 +125,12 @@ def test_every_gate_threshold_is_a_pipeline_field_and_acts():
             (gapped, {"weight_sync_probe_gap_mean": 0.2}, "FAIL log-prob gap at the candidate's last weight sync")]:
         passed, reasons = check_gate(metrics, PromotionGate(max_logprob_gap=0.05), 3, candidate)
         assert not passed and reasons[0].startswith(failing), reasons
+    # Candidates judged against one production policy: each is another draw of the same held-out metrics.
+    bounded = PromotionGate(max_tries_against_production=3)
+    assert check_gate(report, bounded, 3, tries_against_production=3)[0]
+    assert check_gate(report, bounded, None, tries_against_production=None)[0]  # nothing to be judged against
+    passed, reasons = check_gate(report, bounded, 3, tries_against_production=4)
+    assert not passed and reasons[0].startswith("FAIL candidate 4 judged against production v3 (allows at most 3")
     # Production exists but the report did not score it: no decision without it.
     no_production = {k: v for k, v in report.items() if not k.startswith("production_")}
     passed, reasons = check_gate(no_production, PromotionGate(), production_version=3)
