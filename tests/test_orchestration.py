@@ -564,7 +564,7 @@ def flow_run_texts(flow_run_id) -> list[str]:
             + [str(s.message) for s in states] + [str(t.state.message) for t in task_runs if t.state])
 
 
-def test_a_canary_inside_a_reward_url_is_absent_from_everything_the_run_writes(env):
+def test_a_canary_inside_a_reward_url_is_absent_from_everything_the_run_writes(env, tmp_path_factory):
     """Credentials in a reward endpoint's URL, in every form tests/secret_patterns.py lists, are refused when the
     config is validated, naming the field, before anything is written: neither the error, nor the plan, nor the run's
     logs, artifacts and states, nor any file under the run's folders holds them."""
@@ -577,14 +577,13 @@ def test_a_canary_inside_a_reward_url_is_absent_from_everything_the_run_writes(e
                        ) as refused:  # fmt: skip
         load_pipeline_config("tiny", {**overrides, "rl": {"remote_rm_url": url}})
     assert canary not in str(refused.value)
-    # The plan of a preset file that sets it.
-    preset = Path(env["root"]).parent / "leaky.yaml"
+    # The plan of a preset file that sets it (kept outside the run's folders, which must hold no canary).
+    preset = tmp_path_factory.mktemp("preset") / "leaky.yaml"
     preset.write_text(yaml.safe_dump({"extends": "tiny", "name": "leaky", **overrides, "rl": {"remote_rm_url": url}}))
     planned = subprocess.run([sys.executable, "-m", "flows.run", "--preset", str(preset), "--plan"], cwd=PROJECT_ROOT,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert planned.returncode != 0 and "credentials in the URL are refused" in planned.stderr, planned.stderr
     assert canary not in planned.stdout + planned.stderr
-    preset.unlink()
     # A run's parameters as a deployment passes them (JSON): refused before the flow starts, the URL not repeated.
     config = load_pipeline_config("tiny", overrides).model_dump(mode="json")
     config["rl"]["remote_rm_url"] = config["evaluate"]["remote_rm_url"] = url
