@@ -250,7 +250,8 @@ class LocalRayHead:
     def environment(self) -> dict[str, str]:
         # No drain on SIGTERM (Ray waits up to 30 s for Serve proxies to quiesce): a local head serves no traffic.
         env = {**os.environ, "RAY_AUTH_MODE": self.auth_mode, "RAY_USAGE_STATS_ENABLED": "0",
-               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_enable_worker_prestart": "0",
+               "RAY_prestart_worker_first_driver": "0"}
         env.pop("RAY_ADDRESS", None)
         if is_loopback(self.bind_host):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # see the module docstring
