@@ -206,6 +206,13 @@ PORT_CONFLICT_MARKERS = ("is trying to use a port number", "Address already in u
 START_ATTEMPTS = 3
 
 
+# A head we start wastes no CPU on work nobody uses: no idle workers started ahead (every process of a stage has a
+# runtime env they lack), and the log monitor looks for new log files twice a second instead of ten times (Ray's own
+# back-off past 1,000 files; its glob of the logs folder grows with every worker the head has had).
+QUIET_HEAD_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0",
+                  "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
+
+
 class LocalRayHead:
     """A single-node Ray cluster on this machine, started by us (or adopted) and stopped by us."""
 
@@ -250,8 +257,7 @@ class LocalRayHead:
     def environment(self) -> dict[str, str]:
         # No drain on SIGTERM (Ray waits up to 30 s for Serve proxies to quiesce): a local head serves no traffic.
         env = {**os.environ, "RAY_AUTH_MODE": self.auth_mode, "RAY_USAGE_STATS_ENABLED": "0",
-               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_enable_worker_prestart": "0",
-               "RAY_prestart_worker_first_driver": "0"}
+               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **QUIET_HEAD_ENV}
         env.pop("RAY_ADDRESS", None)
         if is_loopback(self.bind_host):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # see the module docstring

@@ -316,8 +316,10 @@ def init_ray() -> None:
     # process redacts its own output (a job gets the same hook from the orchestration's runtime_env): processes
     # started for the stage by others too, such as vLLM's tensor-parallel workers, whose log files stay on the node.
     address = os.environ.get("RAY_ADDRESS") or None
-    if not address:  # no idle workers started ahead: every process of a stage has a runtime env they lack
-        os.environ.update(RAY_enable_worker_prestart="0", RAY_prestart_worker_first_driver="0")
+    if not address:
+        from infra.ray_cluster import QUIET_HEAD_ENV
+
+        os.environ.update(QUIET_HEAD_ENV)
     ray.init(address=address, include_dashboard=False, log_to_driver=True,
              runtime_env=None if address else {"worker_process_setup_hook": REDACTING_SETUP_HOOK})
 

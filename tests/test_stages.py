@@ -341,14 +341,15 @@ def test_kto_resumed_after_a_crash_repeats_the_uninterrupted_losses(sft_model, a
 
 def seed_command(command: str, assets, out: Path, *extra) -> tuple[str, list]:
     """A seed command with our module path, the tiny model and the preference fixture in the seed dataset's
-    layout, scaled from 8 GPUs to 2 CPU ranks (global batch / 4, same micro-batches per rank) and to 256 rows."""
+    layout, scaled from 8 GPUs to 2 CPU ranks (global batch / 16, the seed's micro-batch: several accumulated per
+    step) and to 64 rows: four steps."""
     from tests.test_config import stage_argv
 
     stage, argv = stage_argv(command)
     values = {"--pretrain": assets["model"], "--dataset": assets["pref_chat_train"], "--save_path": out / "model",
-              "--train_batch_size": int(argv[argv.index("--train_batch_size") + 1]) // 4}
+              "--train_batch_size": int(argv[argv.index("--train_batch_size") + 1]) // 16}
     argv = [values.get(argv[i - 1], word) if i else word for i, word in enumerate(argv)]
-    return stage, [*argv, "--num_gpus_per_node", 2, "--max_samples", 256, "--ckpt_path", out / "ckpt", *extra]
+    return stage, [*argv, "--num_gpus_per_node", 2, "--max_samples", 64, "--ckpt_path", out / "ckpt", *extra]
 
 
 @pytest.mark.parametrize("seed, resumed", [("SEED_RM", True), ("SEED_DPO", False)])
