@@ -5,7 +5,10 @@ hub name pinned to a revision (`org/name#<sha>`, as the plan pins them) reads th
 S3 timeouts or 503s, a cut connection) is retried for RLHF_ARTIFACT_RETRY_S and then fails the stage with exit 1,
 which the orchestration retries; data that cannot be read for any other reason is a data error (exit 2).
 Validation runs before any training and reports every failure at once, naming file, flag, check and rows (or the
-whole column); it never ends in a traceback, whatever the data (bytes that are not UTF-8 included).
+whole column); it never ends in a traceback, whatever the data (bytes that are not UTF-8 included). A pass is
+recorded under the datasets cache (`$HF_DATASETS_CACHE/rlhf-validated`), named by the rows' fingerprint, the
+schema's settings and this module's source, so that a retried stage or a night whose data did not change does not
+check the same rows again (at 700k pairs, about half of a warm start); a failure is never recorded.
 
 Formats (column names come from the stages' --*_key flags), as OpenRLHF reads them:
 - SFT: prompt + response (text, or chat messages with --apply_chat_template), optionally a system prompt column
@@ -22,10 +25,13 @@ boundaries of the rendered conversation, so the template's own end-of-turn token
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +43,11 @@ import pandas as pd
 import pandera.pandas as pa
 from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.download import DownloadConfig
+from datasets.fingerprint import Hasher
 from pandera.errors import SchemaErrors
 
 from infra.artifacts import StoreSettings, StoreUnreachable, retrying, storage_options_from_env
+from stages.environment import stage_environment
 from stages.errors import DataValidationError, SourceUnavailable
 from stages.fingerprint import mixture_parts, split_revision
 
@@ -53,6 +61,7 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _SPLIT_SUFFIX = re.compile(r"^(?P<path>.+)@(?P<split>\w[\w.-]*(\[[^\]]*\])?)$")
 _MAX_LISTED_ROWS = 50
 VALIDATION_CHUNK_ROWS = 20_000
+VALIDATED_FORMAT = 1  # of the records of passed validations: another value never reads an older record
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -371,9 +380,9 @@ def validate_sft(ds: datasets.Dataset, source: str, input_key: str, output_key: 
         flags[output_key] = "--output_key"
     if system_key is not None:
         flags[system_key] = "--system_key"
-    schema = sft_schema(input_key, output_key, multiturn=multiturn, pretrain_mode=pretrain_mode,
-                        system_key=system_key, apply_chat_template=apply_chat_template)
-    _validate("SFT", schema, ds, source, flags)
+    settings = dict(input_key=input_key, output_key=output_key, multiturn=multiturn, pretrain_mode=pretrain_mode,
+                    system_key=system_key, apply_chat_template=apply_chat_template)
+    _validate("SFT", sft_schema(**settings), ds, source, flags, settings)
 
 
 def validate_preference(ds: datasets.Dataset, source: str, prompt_key: str | None, chosen_key: str,
@@ -385,9 +394,9 @@ def validate_preference(ds: datasets.Dataset, source: str, prompt_key: str | Non
         flags = {prompt_key: "--prompt_key", **flags}
     if margin_key is not None:
         flags[margin_key] = "--margin_loss"
-    schema = preference_schema(prompt_key, chosen_key, rejected_key, margin_key=margin_key,
-                               apply_chat_template=apply_chat_template)
-    _validate("preference", schema, ds, source, flags)
+    settings = dict(prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key, margin_key=margin_key,
+                    apply_chat_template=apply_chat_template)
+    _validate("preference", preference_schema(**settings), ds, source, flags, settings)
 
 
 def validate_prompts(ds: datasets.Dataset, source: str, input_key: str, label_key: str | None = None, *,
@@ -400,8 +409,8 @@ def validate_prompts(ds: datasets.Dataset, source: str, input_key: str, label_ke
     flags = {input_key: "--input_key"}
     if label_key is not None:
         flags[label_key] = "--label_key"
-    _validate("prompt", prompt_schema(input_key, label_key, apply_chat_template=apply_chat_template), ds, source,
-              flags)
+    settings = dict(input_key=input_key, label_key=label_key, apply_chat_template=apply_chat_template)
+    _validate("prompt", prompt_schema(**settings), ds, source, flags, settings)
 
 
 def validate_sources(cfg, validate: Callable[[datasets.Dataset, str], None]) -> None:
@@ -421,17 +430,25 @@ def validate_kto(ds: datasets.Dataset, source: str, input_key: str, output_key: 
                  apply_chat_template: bool | None = None) -> None:
     """Raise one DataValidationError listing every failed check and row of unpaired KTO data."""
     flags = {input_key: "--input_key", output_key: "--output_key", label_key: "--label_key"}
-    _validate("KTO", kto_schema(input_key, output_key, label_key, apply_chat_template=apply_chat_template), ds,
-              source, flags)
+    settings = dict(input_key=input_key, output_key=output_key, label_key=label_key,
+                    apply_chat_template=apply_chat_template)
+    _validate("KTO", kto_schema(**settings), ds, source, flags, settings)
 
 
-def _validate(
-    kind: str, schema: pa.DataFrameSchema, ds: datasets.Dataset, source: str, flags: dict[str, str]
-) -> None:
+def _validate(kind: str, schema: pa.DataFrameSchema, ds: datasets.Dataset, source: str, flags: dict[str, str],
+              settings: dict[str, Any] | None = None) -> None:
     """Validates `ds` in chunks of VALIDATION_CHUNK_ROWS rows (as Python objects, a chunk costs several times its
-    bytes) and reports the failures of all chunks at once, by row of the whole dataset."""
+    bytes) and reports the failures of all chunks at once, by row of the whole dataset; rows that passed against the
+    same `settings` (the schema's arguments) before are not checked again (`validation_record`; without `settings`,
+    always checked)."""
     if len(ds) == 0:
         raise DataValidationError(f"{kind} data in {source} has no rows")
+    # Rows read from files (every stage's: datasets keeps them in Arrow files); rows built in memory are checked
+    # each time.
+    record = validation_record(kind, settings, ds) if ds.cache_files and settings is not None else None
+    if record is not None and record.exists():
+        os.utime(record)  # used now: kept for another RLHF_EXAMPLE_CACHE_DAYS
+        return
     columns = [column for column in schema.columns if column in ds.column_names]
     failures = []
     try:
@@ -450,6 +467,38 @@ def _validate(
     if failures:
         raise DataValidationError(
             _failure_report(kind, source, len(ds), pd.concat(failures, ignore_index=True), flags, ds.column_names))
+    if record is not None:
+        _record_pass(record, {"kind": kind, "source": source, "rows": len(ds)})
+
+
+def validation_record(kind: str, settings: dict[str, Any], ds: datasets.Dataset) -> Path:
+    """Where a pass of `ds` against the schema `kind` built with `settings` is recorded. datasets' fingerprint of
+    the rows stands for their content: the files' paths and modification times (S3: ETags), or a hub revision, and
+    every selection, mixture and cut made since; this module's source stands for the checks' code."""
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    key = Hasher.hash([VALIDATED_FORMAT, kind, settings, ds._fingerprint, code])
+    return Path(datasets.config.HF_DATASETS_CACHE) / "rlhf-validated" / f"{key}.json"
+
+
+def _record_pass(record: Path, what: dict[str, Any]) -> None:
+    """Written whole or not at all (a temporary file renamed), so that a killed stage leaves no half record."""
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=record.parent, suffix=".tmp", delete=False) as out:
+        json.dump(what, out)
+    os.replace(out.name, record)
+    remove_unused(record.parent, "*.json", stage_environment().example_cache_days * 86_400)
+
+
+def remove_unused(directory: Path, pattern: str, older_than_s: float) -> None:
+    """Remove the files of `directory` matching `pattern` not used for `older_than_s` seconds (a reader that has one
+    open keeps its data)."""
+    cutoff = time.time() - older_than_s
+    for path in directory.glob(pattern):
+        try:
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+        except FileNotFoundError:  # removed by another stage meanwhile
+            pass
 
 
 def _python_frame(ds: datasets.Dataset, columns: list[str], index: range) -> pd.DataFrame:

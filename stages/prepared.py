@@ -146,7 +146,7 @@ def prepare(encode: Encoder, cfg, fields: Sequence[str], tokenizer, rows: datase
             data.check_dropped(probe.kind, np.flatnonzero(~fits).tolist(), len(fits), probe.reason)
         encoded = encoded.select(np.flatnonzero(fits))
     encoded = encoded.remove_columns("fits")
-    remove_unused(directory, stage_environment().example_cache_days * 86_400)
+    data.remove_unused(directory, "*.arrow", stage_environment().example_cache_days * 86_400)
     peak = sum(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return Preparation(ExampleRows(encoded), len(rows), time.perf_counter() - started, cached, processes,
                        peak / 2**20)
@@ -157,17 +157,6 @@ def prepare_prompts(cfg, tokenizer, rows: datasets.Dataset, *, stage: str, what:
     preparation = prepare(data.encode_prompt_rows, cfg, data.PROMPT_FIELDS, tokenizer, rows, what=what)
     print(f"[{stage}] {preparation.summary(what)}", flush=True)
     return preparation.examples
-
-
-def remove_unused(directory: Path, older_than_s: float) -> None:
-    """Remove the cache's files not used for `older_than_s` seconds (a reader that has one open keeps its data)."""
-    cutoff = time.time() - older_than_s
-    for path in directory.glob("*.arrow"):
-        try:
-            if path.stat().st_mtime < cutoff:
-                path.unlink()
-        except FileNotFoundError:  # removed by another stage meanwhile
-            pass
 
 
 @contextmanager

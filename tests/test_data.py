@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from pathlib import Path
 
 import datasets
@@ -391,6 +392,31 @@ def test_a_failing_validation_machinery_is_still_a_data_error(monkeypatch):
         data.validate_sft(dataset(SFT_ROWS), "rows.jsonl", **SFT_KEYS)
 
 
+
+def test_rows_that_passed_are_not_checked_again_until_their_file_changes(tmp_path, monkeypatch):
+    """A pass is recorded by the rows' fingerprint and the schema's settings: the same file read again is not
+    checked (a warm start), other settings are, and so is the file once it changes, bad rows reported by row."""
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in SFT_ROWS))
+    data.validate_sft(data.load_rows(str(path)), str(path), **SFT_KEYS)
+    rows = data.load_rows(str(path))
+    record = data.validation_record("SFT", dict(SFT_KEYS, multiturn=False, pretrain_mode=False, system_key=None,
+                                                apply_chat_template=None), rows)
+    assert json.loads(record.read_text()) == {"kind": "SFT", "source": str(path), "rows": len(SFT_ROWS)}
+
+    checked = []
+    frame = data._python_frame
+    monkeypatch.setattr(data, "_python_frame", lambda *args: checked.append(args) or frame(*args))
+    data.validate_sft(rows, str(path), **SFT_KEYS)
+    assert checked == []  # the record answered
+    data.validate_sft(rows, str(path), input_key="prompt", output_key="response", apply_chat_template=False)
+    assert len(checked) == 1  # other settings: another schema, checked
+
+    time.sleep(0.01)  # a later modification time, as any rewrite of a file has
+    path.write_text(path.read_text().replace('"Answer: 9"', '""'))
+    with pytest.raises(DataValidationError, match=r"at rows \[1\]"):
+        data.validate_sft(data.load_rows(str(path)), str(path), **SFT_KEYS)
+    assert len(checked) == 2
 def test_wrong_types_from_parquet_are_row_failures(tmp_path):
     path = tmp_path / "prompts.parquet"
     pd.DataFrame({"prompt": ["Add 1 and 1.", "Add 2 and 2."], "label": [True, False]}).to_parquet(path)
