@@ -8,7 +8,7 @@ Validation runs before any training and reports every failure at once, naming fi
 whole column); it never ends in a traceback, whatever the data (bytes that are not UTF-8 included). A pass is
 recorded under the datasets cache (`$HF_DATASETS_CACHE/rlhf-validated`), named by the rows' fingerprint, the
 schema's settings and this module's source, so that a retried stage or a night whose data did not change does not
-check the same rows again (at 700k pairs, about half of a warm start); a failure is never recorded.
+check the same rows again (README: Data at scale); a failure is never recorded.
 
 Formats (column names come from the stages' --*_key flags), as OpenRLHF reads them:
 - SFT: prompt + response (text, or chat messages with --apply_chat_template), optionally a system prompt column
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import numpy as np
 import pandas as pd
+import pandera
 import pandera.pandas as pa
 from datasets.data_files import DataFilesDict, get_data_patterns
 from datasets.download import DownloadConfig
@@ -474,9 +475,10 @@ def _validate(kind: str, schema: pa.DataFrameSchema, ds: datasets.Dataset, sourc
 def validation_record(kind: str, settings: dict[str, Any], ds: datasets.Dataset) -> Path:
     """Where a pass of `ds` against the schema `kind` built with `settings` is recorded. datasets' fingerprint of
     the rows stands for their content: the files' paths and modification times (S3: ETags), or a hub revision, and
-    every selection, mixture and cut made since; this module's source stands for the checks' code."""
+    every selection, mixture and cut made since; this module's source and pandera's version stand for the checks'
+    code."""
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-    key = Hasher.hash([VALIDATED_FORMAT, kind, settings, ds._fingerprint, code])
+    key = Hasher.hash([VALIDATED_FORMAT, kind, settings, ds._fingerprint, code, pandera.__version__])
     return Path(datasets.config.HF_DATASETS_CACHE) / "rlhf-validated" / f"{key}.json"
 
 
