@@ -44,6 +44,7 @@ from pathlib import Path
 import psutil
 
 from infra.net import is_loopback
+from infra.ray_env import QUIET_HEAD_ENV
 from infra.settings import Settings, get_settings
 
 HEAD_RECORD = "ray-head.json"
@@ -204,13 +205,6 @@ class HeadPorts:
 # What `ray start` prints when a port we picked was taken before its server bound it; another pick fixes that.
 PORT_CONFLICT_MARKERS = ("is trying to use a port number", "Address already in use", "address already in use")
 START_ATTEMPTS = 3
-
-
-# A head we start wastes no CPU on work nobody uses: no idle workers started ahead (every process of a stage has a
-# runtime env they lack), and the log monitor looks for new log files twice a second instead of ten times (Ray's own
-# back-off past 1,000 files; its glob of the logs folder grows with every worker the head has had).
-QUIET_HEAD_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0",
-                  "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 
 
 class LocalRayHead:

@@ -317,7 +317,7 @@ def init_ray() -> None:
     # started for the stage by others too, such as vLLM's tensor-parallel workers, whose log files stay on the node.
     address = os.environ.get("RAY_ADDRESS") or None
     if not address:
-        from infra.ray_cluster import QUIET_HEAD_ENV
+        from infra.ray_env import QUIET_HEAD_ENV
 
         os.environ.update(QUIET_HEAD_ENV)
     ray.init(address=address, include_dashboard=False, log_to_driver=True,
