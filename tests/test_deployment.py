@@ -685,9 +685,12 @@ def approve_in_browser(browser, run_url: str, comment: str) -> str:
     open_page(browser, run_url, ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Resume']")),
               "the Resume button").click()
     wait = WebDriverWait(browser, PAGE_WAIT_S)
-    form = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
+    # The dialog shows before its form is drawn (the UI fetches the run's input schema once it opens): wait for the
+    # switch, then read the form.
+    switch = wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, ".p-modal [role='switch']")))
+    form = browser.find_element(By.CSS_SELECTOR, ".p-modal")
     text = form.text
-    form.find_element(By.CSS_SELECTOR, "[role='switch']").click()
+    switch.click()
     form.find_element(By.CSS_SELECTOR, "textarea").send_keys(comment)
     form.find_element(By.XPATH, ".//button[normalize-space()='Submit']").click()
     wait.until(ec.invisibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
