@@ -392,7 +392,6 @@ def test_a_failing_validation_machinery_is_still_a_data_error(monkeypatch):
         data.validate_sft(dataset(SFT_ROWS), "rows.jsonl", **SFT_KEYS)
 
 
-
 def test_rows_that_passed_are_not_checked_again_until_their_file_changes(tmp_path, monkeypatch):
     """A pass is recorded by the rows' fingerprint and the schema's settings: the same file read again is not
     checked (a warm start), other settings are, and so is the file once it changes, bad rows reported by row."""
@@ -417,6 +416,8 @@ def test_rows_that_passed_are_not_checked_again_until_their_file_changes(tmp_pat
     with pytest.raises(DataValidationError, match=r"at rows \[1\]"):
         data.validate_sft(data.load_rows(str(path)), str(path), **SFT_KEYS)
     assert len(checked) == 2
+
+
 def test_wrong_types_from_parquet_are_row_failures(tmp_path):
     path = tmp_path / "prompts.parquet"
     pd.DataFrame({"prompt": ["Add 1 and 1.", "Add 2 and 2."], "label": [True, False]}).to_parquet(path)
