@@ -30,8 +30,10 @@ def run_rank_group(stage: str, worker_cls: type, cfg, validate: Callable[[Any, s
     from stages.data import validate_sources
     from stages.distributed import ActorGroup, cluster_device, cpu_threads, init_ray, launched_by_torch_launcher
     from stages.engine import claim_checkpoints
+    from stages.moe import check_config_router
 
     config_cls = type(cfg)
+    check_config_router(getattr(cfg, "aux_loss_coef", 0.0), cfg.pretrain)
     if launched_by_torch_launcher():
         validate_sources(cfg, validate)
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -64,6 +64,24 @@ def balancing_loss(base: torch.nn.Module) -> BalancingLoss:
     return lambda router_logits, attention_mask: loss_func(router_logits, num_experts, top_k, attention_mask)
 
 
+def no_router_error(aux_loss_coef: float, path: str | os.PathLike, why: str) -> StageInputError:
+    return StageInputError(f"--aux_loss_coef {aux_loss_coef:g} weighs the load-balancing loss of mixture-of-experts "
+                           f"routers, but model {path} has none: {why}; set --aux_loss_coef 0")
+
+
+def check_config_router(aux_loss_coef: float, path: str) -> None:
+    """The stage's process, before any rank starts (ranks would load the whole model first): refuse (exit 2) a
+    positive --aux_loss_coef for a model whose config is not a mixture-of-experts one."""
+    if aux_loss_coef <= 0:
+        return
+    from transformers import AutoConfig
+
+    from stages.model_io import resolve_model_path
+
+    if not has_router(AutoConfig.from_pretrained(resolve_model_path(path))):
+        raise no_router_error(aux_loss_coef, path, f"its config has no {ROUTER_FLAG}")
+
+
 def check_router(model: torch.nn.Module, aux_loss_coef: float, path: str | os.PathLike) -> None:
     """Refuse (exit 2) a positive --aux_loss_coef for a model without a load-balancing loss: the flag would add
     nothing. Called by each trained model's rank right after loading it, before training."""
@@ -72,10 +90,7 @@ def check_router(model: torch.nn.Module, aux_loss_coef: float, path: str | os.Pa
     try:
         balancing_loss(base_model(model))
     except ValueError as error:
-        raise StageInputError(
-            f"--aux_loss_coef {aux_loss_coef:g} weighs the load-balancing loss of mixture-of-experts routers, but "
-            f"model {path} has none: {error}; set --aux_loss_coef 0"
-        ) from None
+        raise no_router_error(aux_loss_coef, path, str(error)) from None
 
 
 @contextmanager

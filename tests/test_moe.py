@@ -124,7 +124,7 @@ ROUTERS = "mlp.gate.weight"  # Mixtral's router of each layer
 
 def stage_worker(stage: str, moe_model, tokenizer, coef: float):
     """A stage worker without Ray or DeepSpeed (as tests/test_packing.py builds them), on a fresh tiny Mixtral: 32
-    samples per step in micro-batches of 8 over the preset's 2 ranks, i.e. 4 micro-batches per step."""
+    samples per step in micro-batches of 8 over 2 ranks, i.e. 4 micro-batches per step."""
     worker_cls = STAGES[stage][1]
     cfg = parse_stage_args(STAGE_CONFIGS[stage], ["--config", "tiny", "--pretrain", str(moe_model), "--dataset", "d.jsonl",
                                    "--max_len", "64", "--train_batch_size", "32", "--micro_train_batch_size", "8",
@@ -289,10 +289,10 @@ def test_an_sft_run_with_the_aux_loss_logs_it_and_exports_a_loadable_model(asset
 
 
 @pytest.mark.slow  # a stage run
-def test_an_sft_run_on_a_dense_model_with_the_flag_stops_before_training(assets, tmp_path):
+def test_an_sft_run_on_a_dense_model_with_the_flag_stops_before_any_rank_starts(assets, tmp_path):
     proc = run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["sft_train"], "--aux_loss_coef", COEF,
                      "--max_samples", 64, "--save_path", tmp_path / "model", "--ckpt_path", tmp_path / "ckpt",
                      expect_rc=2)
     assert f"--aux_loss_coef 0.01 weighs the load-balancing loss of mixture-of-experts routers, but model " \
-           f"{assets['model']} has none" in proc.stderr
-    assert not (tmp_path / "model").exists()
+           f"{assets['model']} has none: its config has no output_router_logits" in proc.stderr
+    assert "SFTWorker" not in proc.stdout + proc.stderr and not (tmp_path / "model").exists()
