@@ -146,12 +146,14 @@ SUPERVISED = (("sft", "sft_train"), ("reward_model", "pref_train"), ("dpo", "pre
 
 
 def supervised(assets: dict, model: str, work: Path, steps: int, stages=SUPERVISED) -> dict:
-    """Tokens/s of supervised stages on the tiny task (2 ranks, the tiny preset), over `steps` optimizer steps."""
+    """Tokens/s of supervised stages on the tiny task (the tiny preset on 2 ranks, data parallel), over `steps`
+    optimizer steps."""
     results = {}
     for name, dataset in stages:
         out = work / f"{name}-speed"
         _, metrics = stage(name, "--pretrain", model, "--dataset", assets[dataset], "--max_epochs", 1,
-                           "--max_samples", 32 * steps, "--save_path", out / "model", "--ckpt_path", out / "ckpt")
+                           "--max_samples", 32 * steps, "--num_gpus_per_node", 2, "--save_path", out / "model",
+                           "--ckpt_path", out / "ckpt")
         results[name] = {"tokens_per_s": metrics["tokens_per_second"], "step_seconds": metrics["seconds/step"] / steps}
     return results
 

@@ -104,7 +104,8 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     return built_once(tmp_path_factory, "tiny", lambda folder: build_tiny_assets(folder, seed=0))
 
 
-# The tiny preset's SFT (3 epochs of 75 steps of 32 examples on 2 ranks), a checkpoint every 50 steps.
+# The tiny preset's SFT (3 epochs of 75 steps of 32 examples), a checkpoint every 50 steps, on 2 ranks (the preset
+# runs one): the data-parallel learning run the stage tests start from.
 SFT_FLAGS = ("--num_gpus_per_node", 2, "--zero_stage", 2, "--save_steps", 50, "--logging_steps", 50)
 SFT_STEPS = 225
 
@@ -125,13 +126,14 @@ def sft_model(assets, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reward_model(assets, sft_model, tmp_path_factory) -> Path:
-    """The tiny preset's reward model on the SFT model, ZeRO-3 (sharded load, gathered export), with held-out
-    pairs: the reward model of the RL tests."""
+    """The tiny preset's reward model on the SFT model, ZeRO-3 over 2 ranks (sharded load, gathered export), with
+    held-out pairs: the reward model of the RL tests."""
     from stage_runs import metrics_of, run_stage
 
     def train(out: Path) -> Path:
         run_stage("reward_model", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--eval_dataset",
-                  assets["pref_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt", "--zero_stage", 3)
+                  assets["pref_eval"], "--save_path", out / "model", "--ckpt_path", out / "ckpt", "--zero_stage", 3,
+                  "--num_gpus_per_node", 2, "--micro_train_batch_size", 16)
         assert metrics_of(out / "model")["eval_accuracy"] >= 0.95
         return out / "model"
 

@@ -409,7 +409,7 @@ def test_missing_inputs_are_named(capsys):
 def test_presets_load_and_validate():
     tiny = load_pipeline_config("tiny")
     assert tiny.name == "tiny" and tiny.tiny_assets_dir
-    assert tiny.sft.device == "cpu" and tiny.sft.world_size == 2 and tiny.sft.zero_stage == 2 and not tiny.sft.bf16
+    assert tiny.sft.device == "cpu" and tiny.sft.world_size == 1 and tiny.sft.zero_stage == 2 and not tiny.sft.bf16
     assert tiny.sft.pretrain is None and tiny.rl.pretrain is None and tiny.rl.reward_pretrain is None
     assert tiny.rl.advantage_estimator == "group_norm" and tiny.rl.use_kl_loss and tiny.rl.kl_estimator == "k3"
     assert tiny.rl.rollout_backend == "hf" and tiny.rl.vllm_num_engines == 1 and tiny.rl.actor_ranks == 1

@@ -88,7 +88,7 @@ def test_a_ring_of_two_ranks_computes_the_whole_rows_log_probs_values_and_gradie
 
 
 def test_ring_attention_flags_are_checked_before_anything_runs():
-    base = ["--config", "tiny", "--pretrain", "m", "--dataset", "d"]
+    base = ["--config", "tiny", "--pretrain", "m", "--dataset", "d", "--num_gpus_per_node", "2"]
     with pytest.raises(SystemExit):
         parse_stage_args(STAGES["sft"], [*base, "--ring_attn_size", "2"])  # SFT needs --packing_samples, as in OpenRLHF
     with pytest.raises(SystemExit):
@@ -112,14 +112,14 @@ def _same_steps(ring: list[dict], whole: list[dict], keys: tuple[str, ...]) -> N
 
 
 @pytest.mark.slow
-def test_dpo_in_rings_takes_the_steps_of_data_parallel_ranks(tmp_path, assets, sft_model):
-    """Two ranks as one ring (policy and reference) against the same two ranks data-parallel."""
+def test_dpo_in_rings_takes_the_steps_of_one_rank(tmp_path, assets, sft_model):
+    """Two ranks as one ring (policy and reference) against one rank (the preset's) without a ring."""
     runs = {}
     for ring in (1, 2):
         out = tmp_path / f"ring{ring}"
         run_stage("dpo", "--pretrain", sft_model, "--dataset", assets["pref_train"], "--packing_samples",
-                  "--ring_attn_size", ring, "--max_samples", 64, "--max_epochs", 1, "--save_path", out / "model",
-                  "--ckpt_path", out / "ckpt")
+                  "--ring_attn_size", ring, "--num_gpus_per_node", ring, "--max_samples", 64, "--max_epochs", 1,
+                  "--save_path", out / "model", "--ckpt_path", out / "ckpt")
         runs[ring] = history_of(out / "model")
     _same_steps(runs[2], runs[1], ("loss", "accuracy"))
 

@@ -1,5 +1,5 @@
-"""Each stage entrypoint run for real (`python -m stages.<name>`, or under `deepspeed --module`) with 2 CPU ranks on
-the tiny model.
+"""Each stage entrypoint run for real (`python -m stages.<name>`, or under `deepspeed --module`) on the tiny model,
+with the preset's one CPU rank or with two where data parallelism is what a run checks.
 
 These runs share one SFT result (module fixture) so the whole file stays a few minutes long; ZeRO stages 0-3 are
 spread over them.
@@ -322,11 +322,11 @@ def test_kto_answers_better_than_its_sft_start(sft_model, sft_accuracy, assets, 
 
 
 def test_kto_resumed_after_a_crash_repeats_the_uninterrupted_losses(sft_model, assets, tmp_path):
-    """Four steps uninterrupted, then restarted from its checkpoints as a kill after step 2 leaves them: the same
-    four steps."""
+    """Four steps uninterrupted on 2 ranks (ZeRO-1: each rank checkpoints its part of the optimizer), then restarted
+    from its checkpoints as a kill after step 2 leaves them: the same four steps."""
     def flags(out: Path) -> tuple:
         return ("--pretrain", sft_model, "--dataset", assets["kto_train"], "--max_samples", 64, "--save_path",
-                out / "model", "--ckpt_path", out / "ckpt", *KTO_FLAGS, "--save_steps", 2)
+                out / "model", "--ckpt_path", out / "ckpt", *KTO_FLAGS, "--save_steps", 2, "--num_gpus_per_node", 2)
 
     run_stage("kto", *flags(tmp_path / "full"))
     rewound_checkpoints(tmp_path / "full" / "ckpt", tmp_path / "resumed" / "ckpt", 2)
@@ -412,8 +412,8 @@ def test_lora_sft_on_conversations_exports_an_adapter_and_a_merged_model(assets,
     assert template != tiny.CHAT_TEMPLATE
     run_stage("sft", "--pretrain", assets["model"], "--dataset", assets["chat_train"], "--input_key", "messages",
               "--tokenizer_chat_template", template, "--multiturn", "--max_len", 96, "--max_samples", 512, "--max_epochs", 1, "--learning_rate", "3e-3",
-              "--lora_rank", 8, "--lora_alpha", 16, "--zero_stage", 3, "--packing_samples", "--save_path", out,
-              "--ckpt_path", tmp_path / "ckpt", "--logging_steps", 4)
+              "--lora_rank", 8, "--lora_alpha", 16, "--zero_stage", 3, "--num_gpus_per_node", 2, "--packing_samples",
+              "--save_path", out, "--ckpt_path", tmp_path / "ckpt", "--logging_steps", 4)
     metrics = metrics_of(out)
     assert metrics["train_loss_last"] < 0.8 * metrics["train_loss_first"], metrics  # 16 LoRA steps: ~0.7
     assert metrics["seconds/forward_backward"] > 0 and metrics["tokens_per_second"] > 0
