@@ -678,22 +678,46 @@ def approval_deployments(tmp: Path) -> Path:
 def approve_in_browser(browser, run_url: str, comment: str) -> str:
     """What a person does: open the paused run, click Resume, switch Approve on, write why, submit; returns the
     form's text (what they read before approving)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
     open_page(browser, run_url, ec.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Resume']")),
               "the Resume button").click()
-    wait = WebDriverWait(browser, PAGE_WAIT_S)
-    # The dialog shows before its form is drawn (the UI fetches the run's input schema once it opens): wait for the
-    # switch, then read the form.
-    switch = wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, ".p-modal [role='switch']")))
-    form = browser.find_element(By.CSS_SELECTOR, ".p-modal")
-    text = form.text
-    switch.click()
-    form.find_element(By.CSS_SELECTOR, "textarea").send_keys(comment)
-    form.find_element(By.XPATH, ".//button[normalize-space()='Submit']").click()
-    wait.until(ec.invisibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
+    # The dialog shows before its form is drawn, and the form is drawn again as the run's input schema arrives: every
+    # step finds its element afresh and checks what it did, as a person looks at the form before going on.
+    redrawn = (NoSuchElementException, StaleElementReferenceException)
+    wait = WebDriverWait(browser, PAGE_WAIT_S, ignored_exceptions=redrawn)
+
+    def in_form(css: str):
+        return browser.find_element(By.CSS_SELECTOR, f".p-modal {css}")
+
+    def switched_on(_browser) -> bool:
+        switch = in_form("[role='switch']")
+        if switch.get_attribute("aria-checked") != "true":
+            switch.click()
+        return in_form("[role='switch']").get_attribute("aria-checked") == "true"
+
+    def comment_written(_browser) -> bool:
+        box = in_form("textarea")
+        if box.get_attribute("value") != comment:
+            box.clear()
+            box.send_keys(comment)
+        return in_form("textarea").get_attribute("value") == comment
+
+    wait.until(lambda b: in_form("[role='switch']").is_enabled() and in_form("textarea").is_displayed())
+    text = browser.find_element(By.CSS_SELECTOR, ".p-modal").text
+    wait.until(switched_on)
+    wait.until(comment_written)
+    submit = (By.XPATH, "//*[contains(@class, 'p-modal')]//button[normalize-space()='Submit']")
+    wait.until(ec.element_to_be_clickable(submit)).click()
+    try:
+        wait.until(ec.invisibility_of_element_located((By.CSS_SELECTOR, ".p-modal")))
+    except TimeoutException:
+        shown = " ".join(browser.find_element(By.CSS_SELECTOR, ".p-modal").text.split())
+        raise AssertionError(f"the resume dialog stayed open {PAGE_WAIT_S} s after Submit; it shows: {shown[:400]!r}") \
+            from None
     return text
 
 
