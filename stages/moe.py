@@ -71,14 +71,15 @@ def no_router_error(aux_loss_coef: float, path: str | os.PathLike, why: str) -> 
 
 def check_config_router(aux_loss_coef: float, path: str) -> None:
     """The stage's process, before any rank starts (ranks would load the whole model first): refuse (exit 2) a
-    positive --aux_loss_coef for a model whose config is not a mixture-of-experts one."""
-    if aux_loss_coef <= 0:
+    positive --aux_loss_coef for a model in a local folder whose config is not a mixture-of-experts one. A model on
+    S3 or the hub is left to the ranks' check_router: reading its config here would fetch the whole model into this
+    process's node first."""
+    folder = os.fspath(path).removeprefix("file://")
+    if aux_loss_coef <= 0 or not os.path.isfile(os.path.join(folder, "config.json")):
         return
     from transformers import AutoConfig
 
-    from stages.model_io import resolve_model_path
-
-    if not has_router(AutoConfig.from_pretrained(resolve_model_path(path))):
+    if not has_router(AutoConfig.from_pretrained(folder)):
         raise no_router_error(aux_loss_coef, path, f"its config has no {ROUTER_FLAG}")
 
 
