@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from stages.errors import StageInputError
 from stages.fields import Dataset, Launcher, NotTraining, Output, fields_with, names_with
+from stages.lean_imports import lean_transformers
 
 
 def seed_everything(seed: int) -> None:
@@ -147,6 +148,8 @@ def build_train_engine(model: torch.nn.Module, cfg, ds_config: dict, *, learning
     GPUs DeepSpeed builds the optimizer from its config (optimizer_section)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
+    lean_transformers()
     from transformers import get_scheduler
 
     if cfg.gradient_checkpointing:

@@ -40,6 +40,7 @@ from stages.environment import stage_environment
 from stages.errors import SourceUnavailable, StageInputError
 from stages.fields import ModelPath, fields_with
 from stages.fingerprint import hub_model_name, split_revision
+from stages.lean_imports import lean_transformers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -269,6 +270,7 @@ def load_causal_lm(
     load_in_4bit: bool = False,
 ) -> PreTrainedModel:
     """AutoModelForCausalLM from a hub name, directory or URI (its linear layers in 4 bits with `load_in_4bit`)."""
+    lean_transformers()
     from transformers import AutoModelForCausalLM
 
     return keep_4bit_layout(AutoModelForCausalLM.from_pretrained(
@@ -300,6 +302,7 @@ def load_value_model(
     scores from a random head would make the whole RL run chase noise. pad_token_id is set in the config because
     sequence classifiers score the last non-pad token and refuse batches without it.
     """
+    lean_transformers()
     from transformers import AutoModelForSequenceClassification
 
     local = resolve_model_path(path)

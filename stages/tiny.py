@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stages.lean_imports import lean_transformers
 from stages.tracking import quiet_model_files
 
 if TYPE_CHECKING:
@@ -208,6 +209,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, shape: TinyModelShape =
 
 
 def _write_tiny_model(out: Path, seed: int, shape: TinyModelShape, moe: bool) -> Path:
+    lean_transformers()
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -12,6 +14,7 @@ import torch
 from conftest import replace_stored
 
 from infra.artifacts import storage_options_from_env
+from infra.settings import PROJECT_ROOT
 from stages import model_io
 from stages.tiny import build_tiny_model
 
@@ -228,3 +231,24 @@ def test_only_the_writing_rank_copies_the_model_to_host_memory_at_export(tmp_pat
     assert grown[0] > 0.8 * size, dict(grown)  # the writer's copy shows in its memory...
     assert grown[1] < 0.2 * size, dict(grown)  # ...the other rank's does not
     assert model_io.load_causal_lm(str(tmp_path / "model")).num_parameters() == size // 4
+
+
+def test_a_rank_loads_its_model_and_schedule_without_importing_scikit_learn_or_peft(tiny_model_dir):
+    """stages/lean_imports.py: what a training rank imports to load a model and build its LR schedule leaves out
+    scikit-learn and peft (installed here, by lm-eval and for LoRA), and transformers reports them installed after."""
+    code = f"""
+import sys
+import torch
+from stages.model_io import load_causal_lm
+from stages.lean_imports import lean_transformers
+model = load_causal_lm({str(tiny_model_dir)!r})
+lean_transformers()
+from transformers import get_scheduler
+get_scheduler("cosine", torch.optim.AdamW(model.parameters()), num_warmup_steps=1, num_training_steps=4)
+import transformers.utils
+print(sorted(name for name in ("sklearn", "peft", "bitsandbytes") if name in sys.modules),
+      transformers.utils.is_sklearn_available(), transformers.utils.is_peft_available())
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["[]", "True", "True"], done.stdout

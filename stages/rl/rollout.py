@@ -28,6 +28,7 @@ from ray.util.placement_group import placement_group as make_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from stages.distributed import cluster_has_gpus
+from stages.lean_imports import lean_transformers
 from stages.tracking import silence_known_noise
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 def tied_weight_names(model_path: str) -> dict[str, str]:
     """{tied parameter: its source} of the HF model, e.g. {"lm_head.weight": "model.embed_tokens.weight"}."""
+    lean_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
@@ -215,6 +217,7 @@ class VLLMEngine(PromptGeneration):
                 os.environ[name] = value
         if not use_gpu:
             os.environ.update(VLLM_CPU_ENV)
+        lean_transformers()
         from vllm import LLM
 
         from stages.model_io import load_tokenizer, resolve_model_path
