@@ -233,9 +233,10 @@ def test_only_the_writing_rank_copies_the_model_to_host_memory_at_export(tmp_pat
     assert model_io.load_causal_lm(str(tmp_path / "model")).num_parameters() == size // 4
 
 
-def test_a_rank_loads_its_model_and_schedule_without_importing_scikit_learn_or_peft(tiny_model_dir):
+def test_a_rank_loads_its_model_and_schedule_without_importing_scikit_learn_scipy_or_peft(tiny_model_dir):
     """stages/lean_imports.py: what a training rank imports to load a model and build its LR schedule leaves out
-    scikit-learn and peft (installed here, by lm-eval and for LoRA), and transformers reports them installed after."""
+    scikit-learn, scipy and peft (installed here, by lm-eval and for LoRA), and transformers reports them installed
+    after."""
     code = f"""
 import sys
 import torch
@@ -246,9 +247,10 @@ lean_transformers()
 from transformers import get_scheduler
 get_scheduler("cosine", torch.optim.AdamW(model.parameters()), num_warmup_steps=1, num_training_steps=4)
 import transformers.utils
-print(sorted(name for name in ("sklearn", "peft", "bitsandbytes") if name in sys.modules),
-      transformers.utils.is_sklearn_available(), transformers.utils.is_peft_available())
+print(sorted(name for name in ("sklearn", "scipy", "peft", "bitsandbytes") if name in sys.modules),
+      transformers.utils.is_sklearn_available(), transformers.utils.is_scipy_available(),
+      transformers.utils.is_peft_available())
 """
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-3:] == ["[]", "True", "True"], done.stdout
+    assert done.stdout.split()[-4:] == ["[]", "True", "True", "True"], done.stdout
