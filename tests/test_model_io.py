@@ -241,9 +241,7 @@ def test_a_rank_loads_its_model_and_schedule_without_importing_scikit_learn_scip
 import sys
 import torch
 from stages.model_io import load_causal_lm
-from stages.lean_imports import lean_transformers
 model = load_causal_lm({str(tiny_model_dir)!r})
-lean_transformers()
 from transformers import get_scheduler
 get_scheduler("cosine", torch.optim.AdamW(model.parameters()), num_warmup_steps=1, num_training_steps=4)
 import transformers.utils
