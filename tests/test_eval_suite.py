@@ -247,3 +247,26 @@ def test_lm_eval_tasks_are_listed_either_way_and_an_unknown_one_is_refused_by_na
     # lm-eval's `metric,filter` as metric names, the other models' prefix before the metric.
     assert harness.metric_key("gsm8k", "exact_match,strict-match", "") == "lm_eval/gsm8k/exact_match_strict-match"
     assert harness.metric_key("tiny_local", "acc,none", "reference_") == "lm_eval/tiny_local/reference_acc"
+
+
+# ---------------------------------------------------------------------------------------------- engines between models
+
+def test_an_engine_takes_another_models_weights_only_when_their_configs_agree_on_all_it_reads(tmp_path):
+    """Policy, reference and production go through the same engines by weight swaps (stages/evaluate/run.py): a
+    swap is right only when the engine built for one model reads nothing different in the other's config."""
+    from stages.evaluate.run import same_architecture
+
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "rope_theta": 10000.0,
+            "eos_token_id": 1, "vocab_size": 60}
+
+    def saved(name: str, **changes) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**base, **changes}))
+        return str(folder)
+
+    policy = saved("policy", dtype="bfloat16", transformers_version="5.0.0", _name_or_path="/somewhere/sft")
+    assert same_architecture(policy, saved("reference", dtype="float32"))
+    for name, change in {"shape": {"hidden_size": 128}, "positions": {"rope_theta": 500000.0},
+                         "stop token": {"eos_token_id": 2}, "family": {"model_type": "qwen2"}}.items():
+        assert not same_architecture(policy, saved(name.replace(" ", "-"), **change)), name

@@ -77,14 +77,20 @@ class RewardsUnavailable(RuntimeError):
     """Reward requests of the evaluation failed after their retries: scores would not be comparable (exit 1)."""
 
 
-def same_architecture(path_a: str, path_b: str) -> bool:
-    """Whether one model's weights can be loaded into an engine built for the other."""
-    from transformers import AutoConfig
+# What may differ between two models' config.json when one's weights go into an engine built for the other: where
+# they were saved from and the dtype they were saved in (the engine's own dtype is --bf16's).
+CONFIG_KEYS_AN_ENGINE_IGNORES = {"_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype"}
 
-    keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
-    a, b = (AutoConfig.from_pretrained(p).to_dict() for p in (path_a, path_b))
-    return all(a.get(k) == b.get(k) for k in keys)
+
+def same_architecture(path_a: str, path_b: str) -> bool:
+    """Whether one model's weights can be loaded into an engine built for the other: their config files say the
+    same in everything the engine reads (shapes, positions, special tokens). Read as saved, without building
+    either config class: AutoConfig imports the model family's modeling stack (about 3 CPU-seconds here)."""
+    from transformers.configuration_utils import PretrainedConfig
+
+    a, b = ({key: value for key, value in PretrainedConfig.get_config_dict(path)[0].items()
+             if key not in CONFIG_KEYS_AN_ENGINE_IGNORES} for path in (path_a, path_b))
+    return a == b
 
 
 @dataclass
